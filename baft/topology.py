@@ -1,0 +1,103 @@
+"""Pure rank topology: rank <-> (pp, dp, tp) coordinates, simulated nodes, replica groups.
+
+The DeviceMesh is laid out with axes ``("pp", "dp", "tp")`` in row-major order, so
+``rank = (pp * num_dp + dp) * num_tp + tp``. A *node* is a failure domain: a block of
+``ranks_per_node`` consecutive ranks that share host memory (one snapshot store) and
+fail together. With the default layout TP peers share a node first, then DP replicas,
+as on a real cluster where TP stays inside a server.
+
+No processes, threads or I/O here: everything is a pure function of the sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Coords:
+    """Coordinates of one rank on the (pp, dp, tp) mesh."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Sizes of the mesh axes and of the simulated nodes.
+
+    Raises ``ValueError`` with the fix when the sizes are not usable.
+    """
+
+    num_pp: int = 1
+    """Pipeline-parallel degree (number of pipeline ranks)."""
+    num_dp: int = 1
+    """Data-parallel degree (number of replicas of each stage)."""
+    num_tp: int = 1
+    """Tensor-parallel degree."""
+    ranks_per_node: int = 0
+    """Ranks per failure domain; 0 means one node per rank pair (min(2, world))."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_pp", "num_dp", "num_tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ranks_per_node == 0:
+            object.__setattr__(self, "ranks_per_node", min(2, self.world_size))
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(
+                f"ranks_per_node={self.ranks_per_node} must divide the world size "
+                f"{self.world_size} (= pp*dp*tp); pick a divisor of {self.world_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.num_pp * self.num_dp * self.num_tp
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def coords(self, rank: int) -> Coords:
+        self._check_rank(rank)
+        tp = rank % self.num_tp
+        dp = (rank // self.num_tp) % self.num_dp
+        pp = rank // (self.num_tp * self.num_dp)
+        return Coords(pp=pp, dp=dp, tp=tp)
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        if not (0 <= pp < self.num_pp and 0 <= dp < self.num_dp and 0 <= tp < self.num_tp):
+            raise ValueError(f"coords (pp={pp}, dp={dp}, tp={tp}) outside mesh {self}")
+        return (pp * self.num_dp + dp) * self.num_tp + tp
+
+    def node_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.ranks_per_node
+
+    def local_index(self, rank: int) -> int:
+        """Position of ``rank`` inside its node (0 .. ranks_per_node-1)."""
+        self._check_rank(rank)
+        return rank % self.ranks_per_node
+
+    def ranks_on_node(self, node: int) -> tuple[int, ...]:
+        if not 0 <= node < self.num_nodes:
+            raise ValueError(f"node {node} outside 0..{self.num_nodes - 1}")
+        first = node * self.ranks_per_node
+        return tuple(range(first, first + self.ranks_per_node))
+
+    def replicas(self, rank: int) -> tuple[int, ...]:
+        """Ranks holding the same model state as ``rank`` (same pp and tp), ordered by dp."""
+        c = self.coords(rank)
+        return tuple(self.rank_of(c.pp, dp, c.tp) for dp in range(self.num_dp))
+
+    def stage_ranks(self, pp: int) -> tuple[int, ...]:
+        """All ranks of pipeline rank ``pp`` (every dp and tp)."""
+        return tuple(
+            self.rank_of(pp, dp, tp) for dp in range(self.num_dp) for tp in range(self.num_tp)
+        )
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
