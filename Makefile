@@ -1,0 +1,33 @@
+# Two set-up commands for a fresh clone: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all check lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/baft demo
+
+check: $(STAMP)
+	$(BIN)/ruff check baft tests benchmarks
+	$(BIN)/ruff format --check baft tests benchmarks
+	$(BIN)/mypy baft
+
+test: check
+	$(BIN)/pytest -q
+
+test-all: check
+	$(BIN)/pytest -q -m ''
+
+format: $(STAMP)
+	$(BIN)/ruff format baft tests benchmarks
+	$(BIN)/ruff check --fix baft tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

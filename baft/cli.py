@@ -1,0 +1,103 @@
+"""``baft`` command line: train | demo | plan | simulate | bench | inspect | trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from baft.config import SCHEDULES, ModelConfig, ParallelConfig, TrainConfig
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    d_model, d_par, d_train = ModelConfig(), ParallelConfig(), TrainConfig()
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--dp", type=int, default=d_par.num_dp, help="data-parallel replicas (default %(default)s)")
+    g.add_argument("--pp", type=int, default=d_par.num_pp, help="pipeline ranks (default %(default)s)")
+    g.add_argument("--tp", type=int, default=d_par.num_tp, help="tensor-parallel degree (default %(default)s)")
+    g.add_argument("--schedule", default=d_par.schedule, choices=SCHEDULES, help="pipeline schedule (default %(default)s)")
+    g.add_argument("--microbatches", type=int, default=d_par.num_microbatches, help="microbatches per iteration per replica (default %(default)s)")
+    g.add_argument("--virtual-stages", type=int, default=d_par.num_virtual, help="stages per rank for interleaved/zero-bubble schedules (default %(default)s)")
+    g.add_argument("--ranks-per-node", type=int, default=d_par.ranks_per_node, help="ranks per simulated node / failure domain (default: min(2, world))")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int, default=d_model.num_layers, help="transformer blocks (default %(default)s)")
+    g.add_argument("--d-model", type=int, default=d_model.d_model, help="hidden size (default %(default)s)")
+    g.add_argument("--heads", type=int, default=d_model.num_heads, help="attention heads (default %(default)s)")
+    g.add_argument("--seq-len", type=int, default=d_model.seq_len, help="tokens per sequence (default %(default)s)")
+    g = p.add_argument_group("training")
+    g.add_argument("--iterations", type=int, default=d_train.num_iterations, help="optimizer steps (default %(default)s)")
+    g.add_argument("--batch", type=int, default=d_train.global_batch, help="global batch in sequences (default %(default)s)")
+    g.add_argument("--lr", type=float, default=d_train.lr, help="AdamW learning rate (default %(default)s)")
+    g.add_argument("--seed", type=int, default=d_train.seed, help="seed for init and data order (default %(default)s)")
+    g.add_argument("--out", default=d_train.out_dir, help="run directory for metrics, timelines, summary (default %(default)s)")
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    cfg = TrainConfig(
+        model=ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=a.heads, seq_len=a.seq_len),
+        parallel=ParallelConfig(
+            num_dp=a.dp,
+            num_pp=a.pp,
+            num_tp=a.tp,
+            schedule=a.schedule,
+            num_microbatches=a.microbatches,
+            num_virtual=a.virtual_stages,
+            ranks_per_node=a.ranks_per_node,
+        ),
+        num_iterations=a.iterations,
+        global_batch=a.batch,
+        lr=a.lr,
+        seed=a.seed,
+        out_dir=a.out,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _run_train(a: argparse.Namespace) -> int:
+    from baft.train.launch import launch
+
+    cfg = config_from_args(a)
+    print(
+        f"[baft] training dp={cfg.parallel.num_dp} pp={cfg.parallel.num_pp} tp={cfg.parallel.num_tp} "
+        f"schedule={cfg.parallel.schedule} on {cfg.parallel.world_size} ranks -> {cfg.out_dir}",
+        flush=True,
+    )
+    rc = launch(cfg)
+    if rc == 0:
+        print(f"[baft] done: {cfg.out_dir}/summary.json", flush=True)
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="baft", description="Bubble-aware fault tolerance for hybrid-parallel PyTorch training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "train",
+        help="train the reference GPT with torchrun on CPU/gloo (or CUDA/NCCL)",
+        description="Train the reference GPT on dp*pp*tp local processes via torchrun.",
+    )
+    _add_train_flags(p)
+    p.set_defaults(func=_run_train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"baft: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

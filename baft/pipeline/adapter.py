@@ -1,0 +1,163 @@
+"""The only module that touches private ``torch.distributed.pipelining`` APIs.
+
+It builds schedules by name and runs them with **slots**: just before the rank blocks on a
+pipeline wait (a p2p receive or send) it calls the slot handler with a stable slot id
+(``w0``, ``w1``, ... = the k-th blocking wait of the step; static schedules make the order
+identical every iteration), then waits and records how long it was blocked. Compute
+actions (F, B, I, W) are timed too. The same :meth:`ProtectedSchedule.slot` wraps any other
+wait (the DP gradient all-reduce, the pre-step window).
+
+How: every schedule in torch 2.13 (GPipe and 1F1B's hard-coded loops and the
+``_PipelineScheduleRuntime`` ones) waits through the module-level
+``schedules._wait_batch_p2p``; we swap that function for the duration of ``step`` and wrap
+the stage's ``*_one_chunk`` methods on our own stage objects. With no handler work the
+arithmetic is untouched, so hooks on and off give bit-identical results.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.pipelining import schedules as _sched
+from torch.distributed.pipelining.stage import PipelineStage
+
+from baft.pipeline.recorder import IterationTimeline
+
+_SCHEDULE_CLASSES: dict[str, Any] = {
+    "gpipe": _sched.ScheduleGPipe,
+    "1f1b": _sched.Schedule1F1B,
+    "interleaved-1f1b": _sched.ScheduleInterleaved1F1B,
+    "zbv": _sched.ScheduleZBVZeroBubble,
+    "interleaved-zb": _sched.ScheduleInterleavedZeroBubble,
+}
+_SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+class SlotHandler(Protocol):
+    """Called at a slot, before the rank blocks; runs checkpoint work scheduled there."""
+
+    def __call__(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None: ...
+
+
+def stage_indices(schedule: str, pp_rank: int, num_pp: int, num_virtual: int) -> list[int]:
+    """Pipeline stage indices held by pipeline rank ``pp_rank``."""
+    if schedule in _SINGLE_STAGE:
+        return [pp_rank]
+    if schedule == "zbv":  # V shape: down the ranks, then back up
+        return [pp_rank, 2 * num_pp - 1 - pp_rank]
+    return [pp_rank + i * num_pp for i in range(num_virtual)]  # looped
+
+
+def build_schedule(
+    name: str,
+    stages: Sequence[PipelineStage],
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Any:
+    """A torch pipelining schedule by baft's CLI name."""
+    if name not in _SCHEDULE_CLASSES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(_SCHEDULE_CLASSES)}")
+    cls = _SCHEDULE_CLASSES[name]
+    if name in _SINGLE_STAGE:
+        if len(stages) != 1:
+            raise ValueError(f"{name} runs one stage per rank, got {len(stages)}")
+        return cls(stages[0], num_microbatches, loss_fn=loss_fn)
+    return cls(list(stages), num_microbatches, loss_fn=loss_fn)
+
+
+class ProtectedSchedule:
+    """A pipeline schedule whose blocking waits are slots, with a per-iteration timeline."""
+
+    def __init__(
+        self,
+        schedule: Any,
+        stages: Sequence[PipelineStage],
+        *,
+        on_slot: SlotHandler | None = None,
+    ) -> None:
+        self.schedule = schedule
+        self.stages = list(stages)
+        self.on_slot = on_slot
+        self._timeline: IterationTimeline | None = None
+        self._num_waits = 0
+        for stage in self.stages:
+            self._instrument(stage)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def _instrument(self, stage: PipelineStage) -> None:
+        idx = stage.stage_index
+
+        def timed(fn: Callable[..., Any], label: str | Callable[..., str]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                tl = self._timeline
+                if tl is None:
+                    return fn(*args, **kwargs)
+                start = tl.now()
+                out = fn(*args, **kwargs)
+                name = label(*args, **kwargs) if callable(label) else label
+                tl.add(name, "compute", start, tl.now(), stage=idx, mb=args[0] if args else -1)
+                return out
+
+            return wrapper
+
+        def bwd_label(*args: Any, full_backward: bool = True, **_: Any) -> str:
+            return "B" if full_backward else "I"
+
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, "F")  # type: ignore[method-assign]
+        stage.backward_one_chunk = timed(stage.backward_one_chunk, bwd_label)  # type: ignore[method-assign]
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "W")  # type: ignore[method-assign]
+
+    def slot(
+        self, timeline: IterationTimeline, slot_id: str, kind: str, wait: Callable[[], Any]
+    ) -> Any:
+        """Run the slot handler, then ``wait()``, recording the blocked time as a wait event."""
+        if self.on_slot is not None:
+            self.on_slot(slot_id, kind, timeline)
+        start = timeline.now()
+        out = wait()
+        timeline.add("wait", "wait", start, timeline.now(), slot=slot_id, kind=kind)
+        return out
+
+    def _wait_batch_p2p(self, work: list[Any]) -> None:
+        assert self._timeline is not None
+        slot_id = f"w{self._num_waits}"
+        self._num_waits += 1
+
+        def wait_all() -> None:
+            for w in work:
+                w.wait()
+
+        self.slot(self._timeline, slot_id, "p2p", wait_all)
+
+    def step(
+        self,
+        timeline: IterationTimeline,
+        inputs: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+    ) -> None:
+        """One pipeline step (forward and backward of every microbatch); no optimizer step."""
+        args = (inputs,) if self.has_first_stage and inputs is not None else ()
+        kwargs: dict[str, Any] = {}
+        if self.has_last_stage:
+            kwargs = {"target": target, "losses": losses}
+        self._timeline = timeline
+        self._num_waits = 0
+        original = _sched._wait_batch_p2p
+        _sched._wait_batch_p2p = self._wait_batch_p2p  # type: ignore[assignment]
+        try:
+            self.schedule.step(*args, **kwargs)
+        finally:
+            _sched._wait_batch_p2p = original
+            self._timeline = None

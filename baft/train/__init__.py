@@ -1,0 +1,1 @@
+"""Trainer: mesh setup, stages and schedule, deterministic resumable data, the training loop."""

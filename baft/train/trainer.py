@@ -1,0 +1,177 @@
+"""The training loop of one rank: pipeline stages (with TP), DP gradient all-reduce, AdamW.
+
+A :class:`Trainer` owns the model stages, the optimizer, the data source and the
+:class:`~baft.pipeline.ProtectedSchedule`. Checkpointing plugs in through
+:class:`StepHooks` (slot work inside waits, the pre-step window, after the step) so the
+loop itself knows nothing about snapshots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from baft.config import TrainConfig
+from baft.model.gpt import TP_PLAN_COLWISE, TP_PLAN_ROWWISE, build_stage_module, loss_fn
+from baft.pipeline import IterationTimeline, ProtectedSchedule, build_schedule, stage_indices
+from baft.train.data import ByteDataSource
+from baft.train.mesh import Mesh
+
+
+class StepHooks(Protocol):
+    """Where checkpoint work enters the training step."""
+
+    def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
+        """At a slot, before the rank blocks (runs work planned for that bubble)."""
+
+    def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        """Last point where live state still equals version ``iteration``."""
+
+    def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        """After the optimizer step of ``iteration``."""
+
+
+@dataclass
+class StepResult:
+    iteration: int
+    loss: float | None
+    """Mean microbatch loss on ranks holding the last stage, else None."""
+    timeline: IterationTimeline
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a (possibly DTensor) parameter or state."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Trainer:
+    """One rank's share of the model and the step that trains it."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, hooks: StepHooks | None = None) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        self.hooks = hooks
+        par = cfg.parallel
+        self.stage_ids = stage_indices(par.schedule, mesh.coords.pp, par.num_pp, par.num_virtual)
+        self.modules: list[nn.Module] = [self._build_module(i) for i in self.stage_ids]
+        self.stages = [
+            PipelineStage(m, i, par.num_stages, mesh.device, group=mesh.pp_group)
+            for m, i in zip(self.modules, self.stage_ids, strict=True)
+        ]
+        schedule = build_schedule(par.schedule, self.stages, par.num_microbatches, loss_fn)
+        self.protected = ProtectedSchedule(schedule, self.stages, on_slot=self._on_slot)
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False
+        )
+        self.data = ByteDataSource(
+            seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
+        )
+
+    def _build_module(self, stage: int) -> nn.Module:
+        par = self.cfg.parallel
+        module = build_stage_module(self.cfg.model, stage, par.num_stages, self.cfg.seed)
+        if par.num_tp > 1:
+            plan: dict[str, Any] = {n: ColwiseParallel() for n in TP_PLAN_COLWISE}
+            plan.update({n: RowwiseParallel() for n in TP_PLAN_ROWWISE})
+            for block in module.layers.values():  # type: ignore[union-attr]
+                parallelize_module(block, self.mesh.tp_mesh, plan)
+        return module.to(self.mesh.device)
+
+    def _on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
+        if self.hooks is not None:
+            self.hooks.on_slot(slot_id, kind, timeline)
+
+    # ---------------------------------------------------------------- the step
+    def train_step(self, iteration: int) -> StepResult:
+        """Run iteration ``iteration`` (0-based): forward/backward, DP all-reduce, AdamW."""
+        tl = IterationTimeline(iteration, self.mesh.rank)
+        c = self.mesh.coords
+        self.data.position = iteration
+        x, y = self.data.next_batch(c.dp, self.cfg.parallel.num_dp)
+        x, y = x.to(self.mesh.device), y.to(self.mesh.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        self.protected.step(tl, x, y, losses)
+        if self.cfg.parallel.num_dp > 1:
+            self._allreduce_grads(tl)
+        self.protected.slot(tl, "pre_step", "pre_step", lambda: None)
+        if self.hooks is not None:
+            self.hooks.before_optimizer_step(iteration, tl)
+        start = tl.now()
+        self.optimizer.step()
+        tl.add("optimizer", "compute", start, tl.now())
+        if self.hooks is not None:
+            self.hooks.after_step(iteration, tl)
+        tl.finish()
+        loss = float(torch.stack(losses).mean()) if losses else None
+        return StepResult(iteration=iteration, loss=loss, timeline=tl)
+
+    def _allreduce_grads(self, tl: IterationTimeline) -> None:
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True)
+        assert work is not None
+        self.protected.slot(tl, "dp_allreduce", "collective", work.wait)
+        flat.div_(self.cfg.parallel.num_dp)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+
+    # ---------------------------------------------------------------- state
+    def named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every checkpointable tensor of this rank, by canonical name, in canonical order.
+
+        Model parameters as ``model.<fqn>``, AdamW state as ``optim.<fqn>.<key>``; DTensors
+        are yielded as their local shard. Optimizer state exists only after the first step.
+        """
+        names = {}
+        for m in self.modules:
+            for fqn, p in m.named_parameters():
+                names[id(p)] = fqn
+                yield f"model.{fqn}", local(p.data)
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    yield f"optim.{names[id(p)]}.{key}", local(value)
+
+    def state_digest(self) -> str:
+        """sha256 over every rank's model and optimizer state in a canonical order.
+
+        Collective. DP replicas hold identical state, so only dp=0 contributes; TP shards are
+        keyed by their tp coordinate. Identical trajectories give identical digests.
+        """
+        c = self.mesh.coords
+        mine: list[tuple[str, str]] = []
+        if c.dp == 0:
+            for name, t in self.named_state():
+                key = f"{name}@tp{c.tp}" if self.cfg.parallel.num_tp > 1 else name
+                mine.append((key, hashlib.sha256(_tensor_bytes(t)).hexdigest()))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        h = hashlib.sha256()
+        for key, digest in sorted(kv for part in gathered for kv in part):
+            h.update(f"{key}={digest}\n".encode())
+        return h.hexdigest()

@@ -1,0 +1,106 @@
+"""Entry point of one training process (started by torchrun through ``baft train``).
+
+Usage: ``python -m baft.train.worker CONFIG_JSON``. Writes, under the run directory,
+``metrics.jsonl`` (rank 0, one object per iteration), ``timeline/rank{r}.jsonl`` (every
+rank) and ``summary.json`` (rank 0, at the end).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from baft.config import TrainConfig
+from baft.train.mesh import init_mesh
+from baft.train.progress import Progress
+from baft.train.trainer import StepResult, Trainer
+
+
+def _gather_metrics(trainer: Trainer, res: StepResult) -> dict[str, Any]:
+    """One small all-reduce: mean loss over DP replicas, blocked and iteration seconds per rank."""
+    world = dist.get_world_size()
+    rank = trainer.mesh.rank
+    c = trainer.mesh.coords
+    vec = torch.zeros(1 + 2 * world, dtype=torch.float64)
+    if res.loss is not None and c.tp == 0:
+        vec[0] = res.loss / trainer.cfg.parallel.num_dp
+    vec[1 + rank] = res.timeline.blocked_s()
+    vec[1 + world + rank] = res.timeline.iter_s
+    dist.all_reduce(vec)
+    values = vec.tolist()
+    return {
+        "iteration": res.iteration,
+        "loss": values[0],
+        "iter_s": max(values[1 + world :]),
+        "blocked_s": values[1 : 1 + world],
+    }
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg`` on this process's rank; returns the summary (on every rank)."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(cfg.parallel)
+    trainer = Trainer(cfg, mesh)
+    out = Path(cfg.out_dir)
+    (out / "timeline").mkdir(parents=True, exist_ok=True)
+    is_main = mesh.rank == 0
+    timeline_file = open(out / "timeline" / f"rank{mesh.rank}.jsonl", "a")  # noqa: SIM115
+    metrics_file = open(out / "metrics.jsonl", "a") if is_main else None  # noqa: SIM115
+    progress = Progress(cfg.num_iterations, enabled=is_main)
+    losses: list[float] = []
+    start = time.time()
+    try:
+        for it in range(cfg.num_iterations):
+            res = trainer.train_step(it)
+            timeline_file.write(json.dumps(res.timeline.to_json()) + "\n")
+            timeline_file.flush()
+            m = _gather_metrics(trainer, res)
+            losses.append(m["loss"])
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(m) + "\n")
+                metrics_file.flush()
+            progress.update(it + 1, m["loss"], m["iter_s"])
+        digest = trainer.state_digest()
+    finally:
+        progress.close()
+        timeline_file.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    summary = {
+        "iterations": cfg.num_iterations,
+        "final_loss": losses[-1],
+        "first_loss": losses[0],
+        "final_state_digest": digest,
+        "wall_s": time.time() - start,
+        "world_size": dist.get_world_size(),
+        "config": cfg.to_dict(),
+    }
+    if is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    faulthandler.enable()
+    if os.environ.get("BAFT_HANG_DUMP_S"):
+        faulthandler.dump_traceback_later(float(os.environ["BAFT_HANG_DUMP_S"]), exit=True)
+    cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
+    try:
+        run(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
