@@ -12,29 +12,92 @@ from baft.config import SCHEDULES, ModelConfig, ParallelConfig, TrainConfig
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     d_model, d_par, d_train = ModelConfig(), ParallelConfig(), TrainConfig()
     g = p.add_argument_group("parallelism")
-    g.add_argument("--dp", type=int, default=d_par.num_dp, help="data-parallel replicas (default %(default)s)")
-    g.add_argument("--pp", type=int, default=d_par.num_pp, help="pipeline ranks (default %(default)s)")
-    g.add_argument("--tp", type=int, default=d_par.num_tp, help="tensor-parallel degree (default %(default)s)")
-    g.add_argument("--schedule", default=d_par.schedule, choices=SCHEDULES, help="pipeline schedule (default %(default)s)")
-    g.add_argument("--microbatches", type=int, default=d_par.num_microbatches, help="microbatches per iteration per replica (default %(default)s)")
-    g.add_argument("--virtual-stages", type=int, default=d_par.num_virtual, help="stages per rank for interleaved/zero-bubble schedules (default %(default)s)")
-    g.add_argument("--ranks-per-node", type=int, default=d_par.ranks_per_node, help="ranks per simulated node / failure domain (default: min(2, world))")
+    g.add_argument(
+        "--dp", type=int, default=d_par.num_dp, help="data-parallel replicas (default %(default)s)"
+    )
+    g.add_argument(
+        "--pp", type=int, default=d_par.num_pp, help="pipeline ranks (default %(default)s)"
+    )
+    g.add_argument(
+        "--tp", type=int, default=d_par.num_tp, help="tensor-parallel degree (default %(default)s)"
+    )
+    g.add_argument(
+        "--schedule",
+        default=d_par.schedule,
+        choices=SCHEDULES,
+        help="pipeline schedule (default %(default)s)",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=d_par.num_microbatches,
+        help="microbatches per iteration per replica (default %(default)s)",
+    )
+    g.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=d_par.num_virtual,
+        help="stages per rank for interleaved/zero-bubble schedules (default %(default)s)",
+    )
+    g.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=d_par.ranks_per_node,
+        help="ranks per simulated node / failure domain (default: min(2, world))",
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--layers", type=int, default=d_model.num_layers, help="transformer blocks (default %(default)s)")
-    g.add_argument("--d-model", type=int, default=d_model.d_model, help="hidden size (default %(default)s)")
-    g.add_argument("--heads", type=int, default=d_model.num_heads, help="attention heads (default %(default)s)")
-    g.add_argument("--seq-len", type=int, default=d_model.seq_len, help="tokens per sequence (default %(default)s)")
+    g.add_argument(
+        "--layers",
+        type=int,
+        default=d_model.num_layers,
+        help="transformer blocks (default %(default)s)",
+    )
+    g.add_argument(
+        "--d-model", type=int, default=d_model.d_model, help="hidden size (default %(default)s)"
+    )
+    g.add_argument(
+        "--heads", type=int, default=d_model.num_heads, help="attention heads (default %(default)s)"
+    )
+    g.add_argument(
+        "--seq-len",
+        type=int,
+        default=d_model.seq_len,
+        help="tokens per sequence (default %(default)s)",
+    )
     g = p.add_argument_group("training")
-    g.add_argument("--iterations", type=int, default=d_train.num_iterations, help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch", type=int, default=d_train.global_batch, help="global batch in sequences (default %(default)s)")
-    g.add_argument("--lr", type=float, default=d_train.lr, help="AdamW learning rate (default %(default)s)")
-    g.add_argument("--seed", type=int, default=d_train.seed, help="seed for init and data order (default %(default)s)")
-    g.add_argument("--out", default=d_train.out_dir, help="run directory for metrics, timelines, summary (default %(default)s)")
+    g.add_argument(
+        "--iterations",
+        type=int,
+        default=d_train.num_iterations,
+        help="optimizer steps (default %(default)s)",
+    )
+    g.add_argument(
+        "--batch",
+        type=int,
+        default=d_train.global_batch,
+        help="global batch in sequences (default %(default)s)",
+    )
+    g.add_argument(
+        "--lr", type=float, default=d_train.lr, help="AdamW learning rate (default %(default)s)"
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d_train.seed,
+        help="seed for init and data order (default %(default)s)",
+    )
+    g.add_argument(
+        "--out",
+        default=d_train.out_dir,
+        help="run directory for metrics, timelines, summary (default %(default)s)",
+    )
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig(
-        model=ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=a.heads, seq_len=a.seq_len),
+        model=ModelConfig(
+            num_layers=a.layers, d_model=a.d_model, num_heads=a.heads, seq_len=a.seq_len
+        ),
         parallel=ParallelConfig(
             num_dp=a.dp,
             num_pp=a.pp,
@@ -71,7 +134,8 @@ def _run_train(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="baft", description="Bubble-aware fault tolerance for hybrid-parallel PyTorch training."
+        prog="baft",
+        description="Bubble-aware fault tolerance for hybrid-parallel PyTorch training.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(

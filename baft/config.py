@@ -48,7 +48,9 @@ class ModelConfig:
                 "pick --heads as a multiple of --tp"
             )
         if (self.mlp_ratio * self.d_model) % num_tp:
-            raise ValueError(f"MLP width {self.mlp_ratio * self.d_model} not divisible by tp={num_tp}")
+            raise ValueError(
+                f"MLP width {self.mlp_ratio * self.d_model} not divisible by tp={num_tp}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +89,9 @@ class ParallelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be >= 1")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}"
+            )
         if self.schedule == "zbv" and self.num_virtual != 2:
             raise ValueError("zbv places exactly 2 stages on each rank: use --virtual-stages 2")
         if self.num_virtual < 1:
@@ -99,7 +103,10 @@ class ParallelConfig:
             )
         if self.num_microbatches < 1:
             raise ValueError("--microbatches must be >= 1")
-        if self.schedule in ("interleaved-1f1b", "interleaved-zb") and self.num_microbatches % self.num_pp:
+        if (
+            self.schedule in ("interleaved-1f1b", "interleaved-zb")
+            and self.num_microbatches % self.num_pp
+        ):
             raise ValueError(
                 f"{self.schedule} needs --microbatches divisible by --pp ({self.num_pp}); "
                 f"try --microbatches {self.num_pp * max(1, self.num_microbatches // self.num_pp)}"
@@ -133,6 +140,8 @@ class TrainConfig:
     """Seed for initialisation and data order."""
     out_dir: str = "runs/latest"
     """Where metrics.jsonl, timeline/ and summary.json go."""
+    instrument: bool = True
+    """Record slots and timelines; False runs the bare torch schedule (a baseline)."""
 
     def validate(self) -> None:
         if self.num_iterations < 1:

@@ -113,7 +113,11 @@ def init_parameters(module: nn.Module, seed: int) -> None:
         elif name.endswith(("ln1.bias", "ln2.bias", "ln_f.bias")):
             p.zero_()
         else:
-            std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            std = (
+                0.02 / math.sqrt(2 * num_layers)
+                if name.endswith(("wo.weight", "w2.weight"))
+                else 0.02
+            )
             g = torch.Generator().manual_seed(_param_seed(seed, name))
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 

@@ -77,14 +77,18 @@ class ProtectedSchedule:
         stages: Sequence[PipelineStage],
         *,
         on_slot: SlotHandler | None = None,
+        instrument: bool = True,
     ) -> None:
         self.schedule = schedule
         self.stages = list(stages)
         self.on_slot = on_slot
+        self.instrument = instrument
+        """False runs the bare torch schedule: no slots, no timeline (the baseline)."""
         self._timeline: IterationTimeline | None = None
         self._num_waits = 0
-        for stage in self.stages:
-            self._instrument(stage)
+        if instrument:
+            for stage in self.stages:
+                self._instrument(stage)
 
     @property
     def has_first_stage(self) -> bool:
@@ -122,6 +126,8 @@ class ProtectedSchedule:
         self, timeline: IterationTimeline, slot_id: str, kind: str, wait: Callable[[], Any]
     ) -> Any:
         """Run the slot handler, then ``wait()``, recording the blocked time as a wait event."""
+        if not self.instrument:
+            return wait()
         if self.on_slot is not None:
             self.on_slot(slot_id, kind, timeline)
         start = timeline.now()
@@ -152,6 +158,9 @@ class ProtectedSchedule:
         kwargs: dict[str, Any] = {}
         if self.has_last_stage:
             kwargs = {"target": target, "losses": losses}
+        if not self.instrument:
+            self.schedule.step(*args, **kwargs)
+            return
         self._timeline = timeline
         self._num_waits = 0
         original = _sched._wait_batch_p2p

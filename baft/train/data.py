@@ -58,5 +58,7 @@ class ByteDataSource:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["seed"] != self.seed:
-            raise ValueError(f"data state is for seed {state['seed']}, this run uses seed {self.seed}")
+            raise ValueError(
+                f"data state is for seed {state['seed']}, this run uses seed {self.seed}"
+            )
         self.position = int(state["position"])

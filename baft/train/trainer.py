@@ -77,7 +77,9 @@ class Trainer:
             for m, i in zip(self.modules, self.stage_ids, strict=True)
         ]
         schedule = build_schedule(par.schedule, self.stages, par.num_microbatches, loss_fn)
-        self.protected = ProtectedSchedule(schedule, self.stages, on_slot=self._on_slot)
+        self.protected = ProtectedSchedule(
+            schedule, self.stages, on_slot=self._on_slot, instrument=cfg.instrument
+        )
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False
