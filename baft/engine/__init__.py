@@ -1,0 +1,1 @@
+"""Runtime engine: executor, transport and DCP persister (the only code touching process groups)."""
