@@ -91,9 +91,7 @@ def bubble_map(
     """The BubbleMap of one rank from its records (see the module docstring)."""
     chosen = select_iterations(records, skip=skip, last=last)
     idle, starts, kinds = _slot_samples(chosen)
-    order = sorted(
-        (s for s in idle if s != PRE_STEP), key=lambda s: (median(starts[s]), s)
-    )
+    order = sorted((s for s in idle if s != PRE_STEP), key=lambda s: (median(starts[s]), s))
     slots = [
         Slot(
             slot_id=s,
@@ -112,9 +110,7 @@ def bubble_map(
             kind="pre_step",
         )
     )
-    return BubbleMap(
-        rank=rank, slots=tuple(slots), iteration_s=median([r.iter_s for r in chosen])
-    )
+    return BubbleMap(rank=rank, slots=tuple(slots), iteration_s=median([r.iter_s for r in chosen]))
 
 
 def bubble_maps(
@@ -126,8 +122,7 @@ def bubble_maps(
     only the most recent ``last`` of the remaining ones (None: all of them).
     """
     return {
-        rank: bubble_map(rank, recs, skip=skip, last=last)
-        for rank, recs in sorted(records.items())
+        rank: bubble_map(rank, recs, skip=skip, last=last) for rank, recs in sorted(records.items())
     }
 
 
@@ -159,7 +154,9 @@ def blocked_fraction(
     for rank, recs in sorted(records.items()):
         chosen = select_iterations(recs, skip=skip, last=last)
         blocked = sum(
-            _merged_length([(e.start, e.end) for e in r.events if e.cat == "wait" and e.end > e.start])
+            _merged_length(
+                [(e.start, e.end) for e in r.events if e.cat == "wait" and e.end > e.start]
+            )
             for r in chosen
         )
         total = sum(r.iter_s for r in chosen)

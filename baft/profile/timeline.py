@@ -132,8 +132,7 @@ def parse_lines(
             if pos == len(numbered) - 1:
                 break  # a killed writer leaves a partial last line: ignore it
             raise ValueError(
-                f"{source}:{lineno}: malformed timeline record ({exc!r}); "
-                "fix or delete that line"
+                f"{source}:{lineno}: malformed timeline record ({exc!r}); fix or delete that line"
             ) from exc
     return records
 

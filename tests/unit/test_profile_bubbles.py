@@ -21,7 +21,9 @@ def wait(slot: str, start: float, end: float, kind: str = "p2p") -> Event:
 
 
 def rec(it: int, events: list[Event], iter_s: float = 1.0, rank: int = 0) -> IterationRecord:
-    return IterationRecord(iteration=it, rank=rank, t0=1000.0 + it, iter_s=iter_s, events=tuple(events))
+    return IterationRecord(
+        iteration=it, rank=rank, t0=1000.0 + it, iter_s=iter_s, events=tuple(events)
+    )
 
 
 def compute(start: float, end: float) -> Event:
@@ -29,7 +31,9 @@ def compute(start: float, end: float) -> Event:
 
 
 def snap(slot: str, start: float, end: float, exposed: bool = False) -> Event:
-    return Event(name="snapshot", cat="ckpt", start=start, end=end, slot=slot, nbytes=8, exposed=exposed)
+    return Event(
+        name="snapshot", cat="ckpt", start=start, end=end, slot=slot, nbytes=8, exposed=exposed
+    )
 
 
 def test_quantile_matches_numpy_linear() -> None:
