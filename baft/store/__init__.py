@@ -1,0 +1,56 @@
+"""Snapshot store: shared-memory slots, manifests and checksums, erasure coding (pure).
+
+- ``coding``: redundancy policies, coding groups, stripe layout, encode / rebuild (pure).
+- ``manifest``: manifest, commit and inventory records with xxh3 checksums.
+- ``shm``: the per-rank two-slot shared-memory store.
+- ``inspect``: ``baft inspect`` over a store directory.
+"""
+
+from baft.store.coding import (
+    GroupLayout,
+    Recipe,
+    Redundancy,
+    Region,
+    Segment,
+    Transfer,
+    UnrecoverableError,
+    coding_groups,
+    group_layouts,
+    group_of,
+)
+from baft.store.manifest import (
+    ChunkRecord,
+    Manifest,
+    RankInventory,
+    RegionRecord,
+    VersionInfo,
+    checksum,
+    chunk_records,
+    region_records,
+)
+from baft.store.shm import DEFAULT_ROOT, MemoryBudgetError, SnapshotStore, find_stores
+
+__all__ = [
+    "DEFAULT_ROOT",
+    "ChunkRecord",
+    "GroupLayout",
+    "Manifest",
+    "MemoryBudgetError",
+    "RankInventory",
+    "Recipe",
+    "Redundancy",
+    "Region",
+    "RegionRecord",
+    "Segment",
+    "SnapshotStore",
+    "Transfer",
+    "UnrecoverableError",
+    "VersionInfo",
+    "checksum",
+    "chunk_records",
+    "coding_groups",
+    "find_stores",
+    "group_layouts",
+    "group_of",
+    "region_records",
+]
