@@ -1,0 +1,430 @@
+"""Per-rank snapshot store in shared memory that outlives a crashed trainer.
+
+Layout: ``{root}/{job_id}/node{node}/rank{rank}/`` holding two version slots
+(``slot{s}.data`` = the rank's shard, ``slot{s}.red`` = its redundancy area,
+``slot{s}.json`` = the slot's manifest) and ``commit.json`` (newest globally committed
+version). Files are preallocated, pre-faulted and memory-mapped; the engine writes
+through ``data_view`` / ``red_view`` (numpy, wrap with ``torch.from_numpy``).
+
+Version protocol (crash-safe at every point, manifests replaced atomically):
+``begin(v)`` picks the slot not holding the committed version and marks it ``writing``;
+the engine fills it; ``complete(slot, manifest)`` records checksums; ``commit(v)``
+moves the commit record. A SIGKILL anywhere leaves the last committed version intact.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from baft.store.manifest import (
+    FORMAT,
+    Manifest,
+    RankInventory,
+    VersionInfo,
+    checksum,
+    dumps,
+)
+
+DEFAULT_ROOT = Path("/dev/shm/baft")
+"""Default store root: tmpfs, survives process crashes, not reboots."""
+PAGE = mmap.PAGESIZE
+MANIFEST_RESERVE_BYTES = 3 * 64 * 1024
+"""Budget set aside for the two slot manifests and the commit record."""
+NUM_SLOTS = 2
+_KINDS = ("data", "red")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class MemoryBudgetError(ValueError):
+    """The store would need more host memory than allowed or available."""
+
+
+def _round_page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    """Where one rank's store lives."""
+
+    root: Path
+    """Store root (parent of job directories)."""
+    job_id: str
+    """Job directory name."""
+    node: int
+    """Node number."""
+    rank: int
+    """Rank number."""
+
+
+class SnapshotStore:
+    """Two-slot shared-memory store of one rank's shard and redundancy."""
+
+    def __init__(self, root: Path, job_id: str, node: int, rank: int, budget_bytes: int) -> None:
+        if not _NAME.match(job_id):
+            raise ValueError(f"job_id {job_id!r} must be a plain name ([A-Za-z0-9._-], no '/')")
+        if node < 0 or rank < 0 or budget_bytes < 0:
+            raise ValueError(f"node, rank and budget_bytes must be >= 0: {node}, {rank}, {budget_bytes}")
+        self.root = Path(root)
+        self.job_id = job_id
+        self.node = node
+        self.rank = rank
+        self.budget_bytes = budget_bytes
+        self.path = self.root / job_id / f"node{node}" / f"rank{rank}"
+        self._maps: dict[tuple[int, str], mmap.mmap | None] = {}
+        self._views: dict[tuple[int, str], np.ndarray] = {}
+        self._sizes: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------- allocation
+    @staticmethod
+    def required_bytes(data_nbytes: int, red_nbytes: int) -> int:
+        """Host memory ``allocate`` needs: two slots (page-rounded) plus manifests."""
+        return NUM_SLOTS * (_round_page(data_nbytes) + _round_page(red_nbytes)) + MANIFEST_RESERVE_BYTES
+
+    def allocate(self, data_nbytes: int, red_nbytes: int) -> None:
+        """Create (or reuse, keeping contents) both slots' files, pre-faulted and mapped."""
+        if data_nbytes < 0 or red_nbytes < 0:
+            raise ValueError(f"sizes must be >= 0, got data={data_nbytes} red={red_nbytes}")
+        needed = self.required_bytes(data_nbytes, red_nbytes)
+        if needed > self.budget_bytes:
+            raise MemoryBudgetError(
+                f"rank {self.rank} store needs {needed:,} B (2 slots x (shard {data_nbytes:,} B + "
+                f"redundancy {red_nbytes:,} B) + manifests) but budget_bytes is "
+                f"{self.budget_bytes:,} B; raise the host-memory budget, pick a lighter "
+                "redundancy policy, or add DP replicas so shards shrink"
+            )
+        self._make_dirs()
+        sizes = {"data": data_nbytes, "red": red_nbytes}
+        reusable = sum(
+            _round_page(n)
+            for slot in range(NUM_SLOTS)
+            for kind, n in sizes.items()
+            if self._file(slot, kind).exists() and self._file(slot, kind).stat().st_size == n
+        )
+        stat = os.statvfs(self.path)
+        free = stat.f_bavail * stat.f_frsize
+        if needed - MANIFEST_RESERVE_BYTES - reusable > free:
+            raise MemoryBudgetError(
+                f"rank {self.rank} store needs {needed - reusable:,} B more but only {free:,} B "
+                f"are free under {self.root}; free memory there (old jobs: "
+                "SnapshotStore.cleanup_stale) or lower the snapshot size"
+            )
+        self.close()
+        for slot in range(NUM_SLOTS):
+            for kind, n in sizes.items():
+                self._map_rw(slot, kind, n)
+        self._sizes = (data_nbytes, red_nbytes)
+
+    def _make_dirs(self) -> None:
+        for p in (self.root, self.root / self.job_id, self.path.parent, self.path):
+            p.mkdir(mode=0o700, exist_ok=True)
+        for p in (self.root / self.job_id, self.path.parent, self.path):
+            os.chmod(p, 0o700)
+
+    def _file(self, slot: int, kind: str) -> Path:
+        return self.path / f"slot{slot}.{kind}"
+
+    def _manifest_file(self, slot: int) -> Path:
+        return self.path / f"slot{slot}.json"
+
+    def _map_rw(self, slot: int, kind: str, nbytes: int) -> None:
+        path = self._file(slot, kind)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                if size:  # different shape: old contents are meaningless now
+                    self._manifest_file(slot).unlink(missing_ok=True)
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, nbytes)
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+            mm = mmap.mmap(fd, nbytes) if nbytes else None
+        finally:
+            os.close(fd)
+        view = np.frombuffer(mm, np.uint8) if mm is not None else np.zeros(0, np.uint8)
+        touch = view[::PAGE]
+        np.bitwise_or(touch, 0, out=touch)  # pre-fault every page, keep contents
+        self._maps[(slot, kind)] = mm
+        self._views[(slot, kind)] = view
+
+    def data_view(self, slot: int) -> np.ndarray:
+        """Writable uint8 view of the slot's shard file (zero copy)."""
+        return self._view(slot, "data")
+
+    def red_view(self, slot: int) -> np.ndarray:
+        """Writable uint8 view of the slot's redundancy file (zero copy)."""
+        return self._view(slot, "red")
+
+    def _view(self, slot: int, kind: str) -> np.ndarray:
+        if slot not in range(NUM_SLOTS):
+            raise ValueError(f"slot must be 0 or 1, got {slot}")
+        if (slot, kind) not in self._views:
+            raise RuntimeError(f"rank {self.rank} store: call allocate(data_nbytes, red_nbytes) first")
+        return self._views[(slot, kind)]
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the store's files occupy now (allocated blocks)."""
+        if not self.path.is_dir():
+            return 0
+        return sum(p.stat().st_blocks * 512 for p in self.path.iterdir() if p.is_file())
+
+    def close(self) -> None:
+        """Drop this process's mappings (files and contents stay)."""
+        self._views.clear()
+        for mm in self._maps.values():
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a caller still holds a view; GC closes it later
+                    pass
+        self._maps.clear()
+        self._sizes = None
+
+    # ---------------------------------------------------------- version protocol
+    def begin(self, version: int) -> int:
+        """Slot to write ``version`` into (never the committed one), marked ``writing``."""
+        records = [_try(self._read_slot, s) for s in range(NUM_SLOTS)]
+        committed = _try(self.committed_version)
+        candidates = [
+            s
+            for s, rec in enumerate(records)
+            if not (rec and rec.get("state") == "complete" and rec.get("version") == committed)
+        ]
+        if not candidates:
+            raise AssertionError(f"both slots hold committed version {committed}")
+        slot = min(candidates, key=lambda s: (records[s] is not None, _version_of(records[s]), s))
+        self._write_json(
+            self._manifest_file(slot),
+            {"format": FORMAT, "state": "writing", "version": version, "rank": self.rank},
+        )
+        return slot
+
+    def complete(self, slot: int, manifest: Manifest) -> None:
+        """Record ``manifest`` (state complete) for the slot begun with its version."""
+        manifest.check()
+        rec = self._read_slot(slot)
+        if not rec or rec.get("state") != "writing" or rec.get("version") != manifest.version:
+            raise ValueError(
+                f"rank {self.rank} slot {slot} is not being written for v{manifest.version}; "
+                "call begin(version) first and complete the slot it returned"
+            )
+        if manifest.rank != self.rank or manifest.state != "complete":
+            raise ValueError(f"manifest is for rank {manifest.rank} state {manifest.state}")
+        if self._sizes and (manifest.data_nbytes > self._sizes[0] or manifest.red_nbytes > self._sizes[1]):
+            raise ValueError(f"manifest sizes exceed the allocation {self._sizes}")
+        self._write_text(self._manifest_file(slot), dumps(manifest))
+
+    def commit(self, version: int) -> None:
+        """Record ``version`` as the newest globally committed version."""
+        for slot in range(NUM_SLOTS):
+            rec = self._read_slot(slot)
+            if rec and rec.get("state") == "complete" and rec.get("version") == version:
+                self._write_json(self.path / "commit.json", {"format": FORMAT, "version": version, "slot": slot})
+                return
+        raise ValueError(f"rank {self.rank}: no complete v{version} in the store; complete() it first")
+
+    def committed_version(self) -> int | None:
+        """Version in the commit record, or None."""
+        rec = _load_json(self.path / "commit.json")
+        return rec.get("version") if rec else None
+
+    def clear_versions(self) -> None:
+        """Forget every version and the commit record (after restoring from disk or fresh)."""
+        for slot in range(NUM_SLOTS):
+            self._manifest_file(slot).unlink(missing_ok=True)
+        (self.path / "commit.json").unlink(missing_ok=True)
+
+    def read_manifest(self, slot: int) -> Manifest | None:
+        """The slot's complete manifest, or None (empty, writing or unreadable)."""
+        rec = self._read_slot(slot)
+        if not rec or rec.get("state") != "complete":
+            return None
+        return Manifest.from_dict(rec)
+
+    def _read_slot(self, slot: int) -> dict[str, Any] | None:
+        return _load_json(self._manifest_file(slot))
+
+    def _write_json(self, path: Path, obj: dict[str, Any]) -> None:
+        self._write_text(path, json.dumps(obj, separators=(",", ":")))
+
+    def _write_text(self, path: Path, text: str) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------ verification
+    def verify(self, slot: int) -> list[str]:
+        """Recompute the slot's checksums; returns problems (empty = clean)."""
+        return list(self._check(slot)[0])
+
+    def _check(self, slot: int) -> tuple[list[str], bool, tuple[int, ...]]:
+        where = f"rank {self.rank} slot {slot}"
+        try:
+            rec = self._read_slot(slot)
+        except ValueError as err:
+            return [f"{where}: unreadable manifest ({err})"], False, ()
+        if rec is None:
+            return [f"{where}: no manifest"], False, ()
+        if rec.get("state") != "complete":
+            return [f"{where}: v{rec.get('version')} is {rec.get('state')} (incomplete)"], False, ()
+        m = Manifest.from_dict(rec)
+        where = f"{where} v{m.version}"
+        problems: list[str] = []
+        data = self._read_view(slot, "data", m.data_nbytes, problems, where)
+        data_ok = data is not None
+        for c in m.chunks if data is not None else ():
+            got = checksum(data[c.offset : c.offset + c.nbytes])
+            if got != c.xxh3:
+                data_ok = False
+                problems.append(
+                    f"{where}: data chunk {c.chunk_id} [{c.offset}, +{c.nbytes}) checksum "
+                    f"{got:016x} != {c.xxh3:016x}"
+                )
+        red = self._read_view(slot, "red", m.red_nbytes, problems, where)
+        bad = []
+        for r in m.regions:
+            got = checksum(red[r.offset : r.offset + r.nbytes]) if red is not None else None
+            if got != r.xxh3:
+                bad.append(r.region_id)
+                if red is not None:
+                    problems.append(f"{where}: redundancy region {r.region_id} checksum mismatch")
+        return problems, data_ok, tuple(bad)
+
+    def _read_view(
+        self, slot: int, kind: str, nbytes: int, problems: list[str], where: str
+    ) -> np.ndarray | None:
+        if (slot, kind) in self._views:
+            view = self._views[(slot, kind)]
+        else:
+            view = _map_readonly(self._file(slot, kind))
+        if view is None or view.size < nbytes:
+            size = -1 if view is None else view.size
+            problems.append(f"{where}: {kind} file has {size} B, manifest needs {nbytes} B")
+            return None
+        return view[:nbytes]
+
+    def inventory(self, verify: bool = True) -> RankInventory:
+        """What this store holds; with ``verify`` every checksum is recomputed."""
+        versions = []
+        problems = []
+        for slot in range(NUM_SLOTS):
+            try:
+                rec = self._read_slot(slot)
+            except ValueError as err:
+                problems.append(f"rank {self.rank} slot {slot}: unreadable manifest ({err})")
+                continue
+            if rec is None:
+                continue
+            complete = rec.get("state") == "complete"
+            found, data_ok, bad = self._check(slot) if verify and complete else ([], complete, ())
+            versions.append(
+                VersionInfo(
+                    version=int(rec["version"]),
+                    slot=slot,
+                    state=str(rec.get("state")),
+                    verified=verify and complete,
+                    data_ok=data_ok,
+                    bad_regions=bad,
+                    problems=tuple(found),
+                    manifest=Manifest.from_dict(rec) if complete else None,
+                )
+            )
+        versions.sort(key=lambda v: -v.version)
+        return RankInventory(self.rank, self.node, self.committed_version(), tuple(versions), tuple(problems))
+
+    # --------------------------------------------------------------- lifecycle
+    def destroy(self) -> None:
+        """Remove this rank's store directory (simulates losing the node)."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    @staticmethod
+    def cleanup_stale(root: Path, keep_job_id: str) -> list[Path]:
+        """Remove other jobs' store directories under ``root``; returns what was removed.
+
+        Only directories that look like job stores (children all ``node<N>``) are removed.
+        """
+        removed: list[Path] = []
+        root = Path(root)
+        if not root.is_dir():
+            return removed
+        for job in sorted(root.iterdir()):
+            if job.name == keep_job_id or not job.is_dir() or job.is_symlink():
+                continue
+            children = list(job.iterdir())
+            if all(c.is_dir() and re.fullmatch(r"node\d+", c.name) for c in children):
+                shutil.rmtree(job)
+                removed.append(job)
+        return removed
+
+
+def find_stores(path: Path) -> list[StoreAddress]:
+    """Stores under ``path``: a store root (job dirs) or one job dir (node dirs)."""
+    path = Path(path)
+    out: list[StoreAddress] = []
+    if not path.is_dir():
+        return out
+    jobs = [path] if _is_job_dir(path) else [j for j in sorted(path.iterdir()) if _is_job_dir(j)]
+    for job in jobs:
+        for node_dir in job.iterdir():
+            for rank_dir in node_dir.iterdir():
+                m = re.fullmatch(r"rank(\d+)", rank_dir.name)
+                if m and rank_dir.is_dir():
+                    node = int(node_dir.name[4:])
+                    out.append(StoreAddress(job.parent, job.name, node, int(m.group(1))))
+    return sorted(out, key=lambda a: (a.job_id, a.rank))
+
+
+def _is_job_dir(path: Path) -> bool:
+    children = [c for c in path.iterdir()] if path.is_dir() else []
+    return bool(children) and all(c.is_dir() and re.fullmatch(r"node\d+", c.name) for c in children)
+
+
+def _try(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ValueError:
+        return None
+
+
+def _version_of(rec: dict[str, Any] | None) -> int:
+    return int(rec["version"]) if rec and "version" in rec else -1
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a baft record of format {FORMAT}")
+    return obj
+
+
+def _map_readonly(path: Path) -> np.ndarray | None:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return np.zeros(0, np.uint8)
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        return None
+    return np.frombuffer(mm, np.uint8)
