@@ -188,7 +188,10 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
     )
     if carrier is None or tensor.is_complex() or tensor.is_quantized:
         return tensor
-    raw = tensor.detach().view(carrier).numpy()
+    try:
+        raw = tensor.detach().view(carrier).numpy()
+    except (RuntimeError, TypeError):  # e.g. a lazy negation view; DCP will clone
+        return tensor
     return torch.from_numpy(raw).view(tensor.dtype)
 
 
