@@ -125,7 +125,7 @@ def measure_throughputs(
         a, b = shm.view(np.uint64), src.numpy().view(np.uint64)
         out = np.ones_like(a)  # ones_like writes every page: pre-faulted
         encode_s = _median_s(lambda: np.bitwise_xor(a, b, out=out), repeats)
-        hash_s = _median_s(lambda: xxhash.xxh3_64_intdigest(shm), repeats)
+        hash_s = _median_s(lambda: xxhash.xxh3_64_intdigest(shm.data), repeats)
         persist_s = _persist_s(src, repeats, persist_dir)
     return {
         "copy_Bps": nbytes / copy_s,

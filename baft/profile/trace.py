@@ -214,6 +214,13 @@ def _draw_rank(
         ax.text(x, ty, text, ha="center", va="center", fontsize=6, color="white", clip_on=True)
 
 
+def _row_label(rank: int, recs: Sequence[IterationRecord], blocked: float) -> str:
+    """ "rank 2 / stage 1 / 30% waiting" (stages as seen in the compute events)."""
+    stages = sorted({e.stage for r in recs for e in r.events if e.stage is not None})
+    where = f"\nstage {','.join(map(str, stages))}" if stages else ""
+    return f"rank {rank}{where}\n{blocked:.0%} waiting"
+
+
 def timeline_png(
     records: Records,
     path: str | Path,
@@ -244,7 +251,7 @@ def timeline_png(
     for row, recs in enumerate(chosen.values()):
         _draw_rank(ax, row, recs, origin, end_ms)
     ax.set_yticks(range(len(chosen)))
-    ax.set_yticklabels([f"rank {r}\n{blocked[r]:.0%} waiting" for r in chosen], fontsize=8)
+    ax.set_yticklabels([_row_label(r, recs, blocked[r]) for r, recs in chosen.items()], fontsize=8)
     ax.set_ylim(len(chosen) - 0.45, -0.65)
     ax.set_xlim(0, end_ms * 1.005)
     ax.set_xlabel("time since first iteration start [ms]   (black ticks: iteration starts)")
