@@ -1,9 +1,10 @@
 """Pure: measured timelines -> BubbleMap (expected idle seconds per slot and rank).
 
 For each rank the chosen iterations (warm-up skipped) are reduced per slot id: the idle
-time of a slot in one iteration is the total duration of its ``wait`` events (0 when the
-slot did not occur in that iteration); the slot's ``idle_s`` is the median over the
-iterations, its ``spread_s`` half the p10..p90 range. Slots are ordered by their median
+time of a slot in one iteration is the time covered by its ``wait`` events plus any
+in-bubble checkpoint task of that slot that ran just before the wait (0 when the slot did
+not occur in that iteration); the slot's ``idle_s`` is the median over the iterations,
+its ``spread_s`` half the p10..p90 range. Slots are ordered by their median
 start time, and the map always ends with the ``pre_step`` slot (the window between the
 last backward and the optimizer step; idle 0 unless the trainer measured a wait there).
 
@@ -64,24 +65,58 @@ def _slot_kind(event: Event) -> str:
     return event.kind or "p2p"
 
 
+def _merged_length(spans: Sequence[tuple[float, float]]) -> float:
+    """Total length of the union of intervals."""
+    ordered = sorted(spans)
+    if not ordered:
+        return 0.0
+    total = 0.0
+    cur_start, cur_end = ordered[0]
+    for start, end in ordered[1:]:
+        if start > cur_end:
+            total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + cur_end - cur_start
+
+
+def _slot_idle(events: Sequence[Event]) -> dict[str, tuple[float, float, str]]:
+    """slot id -> (idle seconds, start, kind) in one iteration.
+
+    Idle is the union of the slot's waits and its in-bubble checkpoint tasks, the tasks
+    cut off at the end of the slot's last wait: tasks that ran in a background worker
+    during the wait add nothing, tasks that ran right before the wait (and so shortened
+    it) are given back, so a filled bubble still measures as a bubble.
+    """
+    waits: dict[str, list[Event]] = {}
+    tasks: dict[str, list[Event]] = {}
+    for ev in events:
+        if ev.slot is not None and ev.cat == "wait":
+            waits.setdefault(ev.slot, []).append(ev)
+        elif ev.slot is not None and ev.cat == "ckpt" and ev.exposed is False:
+            tasks.setdefault(ev.slot, []).append(ev)
+    out: dict[str, tuple[float, float, str]] = {}
+    for slot_id, slot_waits in waits.items():
+        cap = max(w.end for w in slot_waits)
+        spans = [(w.start, max(w.start, w.end)) for w in slot_waits]
+        spans += [(t.start, min(t.end, cap)) for t in tasks.get(slot_id, ()) if t.start < cap]
+        out[slot_id] = (_merged_length(spans), min(a for a, _ in spans), _slot_kind(slot_waits[0]))
+    return out
+
+
 def _slot_samples(
     chosen: Sequence[IterationRecord],
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, str]]:
-    """Per slot: idle seconds per chosen iteration, start times where seen, kind."""
+    """Per slot: idle seconds per chosen iteration (0 where absent), starts where seen, kind."""
     idle: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
     kinds: dict[str, str] = {}
     for i, rec in enumerate(chosen):
-        first_start: dict[str, float] = {}
-        for ev in rec.events:
-            if ev.cat != "wait" or ev.slot is None:
-                continue
-            series = idle.setdefault(ev.slot, [0.0] * len(chosen))
-            series[i] += ev.duration
-            first_start[ev.slot] = min(first_start.get(ev.slot, ev.start), ev.start)
-            kinds.setdefault(ev.slot, _slot_kind(ev))
-        for slot_id, start in first_start.items():
+        for slot_id, (seconds, start, kind) in _slot_idle(rec.events).items():
+            idle.setdefault(slot_id, [0.0] * len(chosen))[i] = seconds
             starts.setdefault(slot_id, []).append(start)
+            kinds.setdefault(slot_id, kind)
     return idle, starts, kinds
 
 
@@ -124,22 +159,6 @@ def bubble_maps(
     return {
         rank: bubble_map(rank, recs, skip=skip, last=last) for rank, recs in sorted(records.items())
     }
-
-
-def _merged_length(spans: Sequence[tuple[float, float]]) -> float:
-    """Total length of the union of intervals."""
-    ordered = sorted(spans)
-    if not ordered:
-        return 0.0
-    total = 0.0
-    cur_start, cur_end = ordered[0]
-    for start, end in ordered[1:]:
-        if start > cur_end:
-            total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    return total + cur_end - cur_start
 
 
 def blocked_fraction(

@@ -133,3 +133,29 @@ def test_blocked_fraction_counts_overlaps_once() -> None:
     ]
     assert blocked_fraction({0: recs}) == {0: (0.375 + 0.125) / 2.0}
     assert blocked_fraction({0: recs}, skip=0) == {0: (1.0 + 0.375 + 0.125) / 3.0}
+
+
+def test_in_bubble_tasks_before_the_wait_give_the_bubble_back() -> None:
+    recs = [
+        rec(
+            0,
+            [
+                # synchronous in-bubble task right before the wait: the bubble was 0.375
+                snap("w0", 0.125, 0.375),
+                wait("w0", 0.375, 0.5),
+                # background task running past the end of the wait: cut at the wait end
+                wait("w1", 0.5, 0.5625),
+                snap("w1", 0.5, 0.75),
+                # exposed task before the wait: not a bubble
+                snap("w2", 0.75, 0.875, exposed=True),
+                wait("w2", 0.875, 0.9375),
+            ],
+        )
+    ]
+    bm = bubble_map(0, recs, skip=0)
+    assert [(s.slot_id, s.idle_s) for s in bm.slots] == [
+        ("w0", 0.375),
+        ("w1", 0.0625),
+        ("w2", 0.0625),
+        ("pre_step", 0.0),
+    ]
