@@ -119,7 +119,7 @@ def _rank_events(
                 pid=0,
                 tid=_tid(rank, group, sub),
                 ts=round(start, 3),
-                dur=round(max(0.0, end - start), 3),
+                dur=round(max(0.0, round(end, 3) - round(start, 3)), 3),
             )
             events.append(item)
     return events, used
