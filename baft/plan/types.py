@@ -53,14 +53,6 @@ class Slot:
     kind: str = "p2p"
     """"p2p" (pipeline receive), "collective" (e.g. DP all-reduce) or "pre_step"."""
 
-    def __post_init__(self) -> None:
-        if not self.idle_s >= 0.0:
-            raise ValueError(f"slot {self.slot_id!r}: idle_s={self.idle_s} must be >= 0 seconds")
-        if not self.spread_s >= 0.0:
-            raise ValueError(
-                f"slot {self.slot_id!r}: spread_s={self.spread_s} must be >= 0 seconds"
-            )
-
 
 @dataclass(frozen=True, slots=True)
 class BubbleMap:
