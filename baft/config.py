@@ -142,6 +142,10 @@ class TrainConfig:
     """Where metrics.jsonl, timeline/ and summary.json go."""
     instrument: bool = True
     """Record slots and timelines; False runs the bare torch schedule (a baseline)."""
+    compute: str = "real"
+    """``real`` or ``emulated`` (stage forward/backward become calibrated timed waits)."""
+    emulated_times: dict[str, list[float]] | None = None
+    """For ``emulated``: ``{"fwd": [s per stage], "bwd": [s per stage]}``."""
 
     def validate(self) -> None:
         if self.num_iterations < 1:
@@ -150,6 +154,10 @@ class TrainConfig:
             raise ValueError("--batch must be >= 1")
         if self.lr <= 0:
             raise ValueError("--lr must be > 0")
+        if self.compute not in ("real", "emulated"):
+            raise ValueError(f"--compute must be real or emulated, got {self.compute!r}")
+        if self.compute == "emulated" and not self.emulated_times:
+            raise ValueError("compute=emulated needs emulated_times (per-stage fwd/bwd seconds)")
         self.parallel.validate(self.model, self.global_batch)
 
     def to_dict(self) -> dict[str, Any]:

@@ -96,6 +96,11 @@ class Trainer:
             plan.update({n: RowwiseParallel() for n in TP_PLAN_ROWWISE})
             for block in module.layers.values():  # type: ignore[union-attr]
                 parallelize_module(block, self.mesh.tp_mesh, plan)
+        if self.cfg.compute == "emulated":
+            from baft.model.emulated import wrap_emulated
+
+            times = self.cfg.emulated_times or {}
+            module = wrap_emulated(module, times["fwd"][stage], times["bwd"][stage])
         return module.to(self.mesh.device)
 
     def _on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
