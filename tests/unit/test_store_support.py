@@ -41,7 +41,7 @@ def shm_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def shard_sizes(topology: Topology, base: int = 200) -> dict[int, int]:
+def shard_sizes(topology: Topology, base: int = 1000) -> dict[int, int]:
     """Distinct, unaligned shard sizes."""
     return {r: base + 37 * r for r in range(topology.world_size)}
 
