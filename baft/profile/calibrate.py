@@ -32,7 +32,7 @@ COST_KEYS: tuple[str, ...] = (
     "persist_Bps",
     "hash_Bps",
     "interference",
-    "interference_cpu",
+    "interference_wall",
 )
 """Keys of ``measure_cost_model``'s result (the last two only when measured)."""
 
@@ -230,14 +230,16 @@ def measure_cost_model(
 ) -> dict[str, float]:
     """Measure the cost model: the four ``*_Bps`` throughputs and ``interference``.
 
-    ``interference`` is the wall-clock slowdown of compute next to a memory copier and
-    ``interference_cpu`` its memory-bandwidth-only part (see ``measure_interference``).
+    ``interference`` is the memory-bandwidth slowdown of compute next to a memory copier
+    (CPU-time based, what ``CostModel.interference`` means) and ``interference_wall``
+    the wall-clock slowdown, which adds competition for cores (see ``measure_interference``).
     ``interference=False`` skips that measurement (about 0.5 s and a helper process);
     both keys are then absent, so the caller picks its own default.
     """
     result = measure_throughputs(nbytes, repeats=repeats, persist_dir=persist_dir)
     if interference:
-        result["interference"], result["interference_cpu"] = measure_interference()
+        wall, cpu = measure_interference()
+        result["interference"], result["interference_wall"] = cpu, wall
     return result
 
 

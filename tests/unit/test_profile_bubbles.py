@@ -78,9 +78,9 @@ def test_bubble_map_exact_medians_order_and_pre_step() -> None:
     # w1: 0.125, 0.0625, 0.125 + 0.125 (two waits in one iteration add up)
     assert by_id["w1"].idle_s == 0.125
     # dp_allreduce only in one of three iterations -> absent counts as 0
-    assert by_id["dp_allreduce"] == Slot(
-        slot_id="dp_allreduce", idle_s=0.0, spread_s=pytest.approx(0.05), kind="collective"
-    )
+    dp = by_id["dp_allreduce"]
+    assert (dp.idle_s, dp.kind) == (0.0, "collective")
+    assert dp.spread_s == pytest.approx(0.05)
     assert by_id["w0"].kind == "p2p"
     # checkpoint events never add idle time; pre_step is 0 unless a wait was measured
     assert bm.slots[-1] == Slot(slot_id="pre_step", idle_s=0.0, spread_s=0.0, kind="pre_step")
