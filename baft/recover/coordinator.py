@@ -109,7 +109,9 @@ def coordinate(
 ) -> tuple[RecoveryPlan, str]:
     """Choose the version to resume from and how to obtain every shard of it."""
     present = {r: inv for r, inv in inventories.items() if inv is not None}
-    committed = max((i.committed for i in present.values() if i.committed is not None), default=None)
+    committed = max(
+        (i.committed for i in present.values() if i.committed is not None), default=None
+    )
     candidates = sorted({v.version for inv in present.values() for v in inv.versions}, reverse=True)
     skipped: list[str] = []
     for version in candidates:
@@ -158,11 +160,14 @@ def assess_version(
             infos[r] = info
     alive = {r for r, inv in inventories.items() if inv is not None}
     if committed is None or version > committed:
-        bad = [_flaw(r, infos.get(r)) for r in sorted(alive)]
-        bad = [b for b in bad if b]
-        if bad:
+        flaws: dict[str, list[int]] = {}
+        for r in sorted(alive):
+            if flaw := _flaw(infos.get(r)):
+                flaws.setdefault(flaw, []).append(r)
+        if flaws:
             label = "uncommitted" if committed is None else f"newer than committed v={committed}"
-            return VersionAssessment(False, f"({label}) was " + ", ".join(bad))
+            parts = [_on_ranks(flaw, ranks) for flaw, ranks in flaws.items()]
+            return VersionAssessment(False, f"({label}) was " + ", ".join(parts))
     layouts, problem = _layouts(topology, infos, version)
     if problem:
         return VersionAssessment(False, problem)
@@ -185,16 +190,22 @@ def assess_version(
     return a
 
 
-def _flaw(rank: int, info: VersionInfo | None) -> str:
+def _flaw(info: VersionInfo | None) -> str:
     if info is None:
-        return f"absent on rank {rank}"
+        return "absent"
     if info.state != "complete":
-        return f"incomplete on rank {rank} ({info.state})"
+        return f"incomplete ({info.state})"
     if not info.verified:
-        return f"unverified on rank {rank}"
+        return "unverified"
     if not info.data_ok or info.bad_regions:
-        return f"corrupt on rank {rank}"
+        return "corrupt"
     return ""
+
+
+def _on_ranks(flaw: str, ranks: list[int]) -> str:
+    word, _, detail = flaw.partition(" ")
+    where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+    return f"{word} on {where}" + (f" {detail}" if detail else "")
 
 
 def _layouts(
@@ -246,8 +257,13 @@ def _rebuild(
         if region.nbytes:
             a.transfers.append(
                 PieceTransfer(
-                    region.holder, rank, "region", infos[region.holder].slot,
-                    region.offset, region.nbytes, rid,
+                    region.holder,
+                    rank,
+                    "region",
+                    infos[region.holder].slot,
+                    region.offset,
+                    region.nbytes,
+                    rid,
                 )
             )
         holders.append(region.holder)

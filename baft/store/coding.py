@@ -20,14 +20,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import numpy as np
 import zfec
 
 from baft.topology import Topology
 
-BytesLike = Union[bytes, bytearray, memoryview, np.ndarray]
+BytesLike = bytes | bytearray | memoryview | np.ndarray
 """Anything exposing a contiguous byte buffer."""
 
 KINDS = ("none", "replicate", "xor", "rs")
@@ -267,7 +266,9 @@ class GroupLayout:
     def _segment(self, member: int, index: int) -> Segment:
         start = index * self.segment_nbytes
         n = self.shard_nbytes[member]
-        return Segment(self.members[member], min(start, n), max(0, min(n - start, self.segment_nbytes)))
+        return Segment(
+            self.members[member], min(start, n), max(0, min(n - start, self.segment_nbytes))
+        )
 
     def _make_regions(self) -> tuple[Region, ...]:
         red, size = self.redundancy, len(self.members)
@@ -285,7 +286,7 @@ class GroupLayout:
                     specs.append((holder, "parity", s, p, srcs, self.segment_nbytes))
         offsets = [0] * size
         regions = []
-        for region_id, (holder, kind, stripe, block, srcs, nbytes) in enumerate(specs):
+        for region_id, (holder, kind, stripe_no, block, srcs, nbytes) in enumerate(specs):
             regions.append(
                 Region(
                     region_id=region_id,
@@ -293,7 +294,7 @@ class GroupLayout:
                     offset=offsets[holder],
                     nbytes=nbytes,
                     kind=kind,
-                    stripe=stripe,
+                    stripe=stripe_no,
                     block=block,
                     sources=srcs,
                 )
@@ -338,7 +339,9 @@ class GroupLayout:
         for r in self._regions:
             for index, seg in enumerate(r.sources):
                 if seg.nbytes:
-                    out.append(Transfer(seg.rank, r.holder, seg.offset, seg.nbytes, r.region_id, index))
+                    out.append(
+                        Transfer(seg.rank, r.holder, seg.offset, seg.nbytes, r.region_id, index)
+                    )
         return out
 
     # ----------------------------------------------------------------- encode
@@ -352,11 +355,15 @@ class GroupLayout:
         """
         region = self.region(region_id)
         if len(inputs) != len(region.sources):
-            raise ValueError(f"region {region_id} takes {len(region.sources)} inputs, got {len(inputs)}")
+            raise ValueError(
+                f"region {region_id} takes {len(region.sources)} inputs, got {len(inputs)}"
+            )
         arrays = [_u8(x) for x in inputs]
-        for a, seg in zip(arrays, region.sources):
+        for a, seg in zip(arrays, region.sources, strict=True):
             if a.size != seg.nbytes:
-                raise ValueError(f"input from rank {seg.rank} has {a.size} bytes, expected {seg.nbytes}")
+                raise ValueError(
+                    f"input from rank {seg.rank} has {a.size} bytes, expected {seg.nbytes}"
+                )
         if out is None:
             out = np.zeros(region.nbytes, np.uint8)
         elif out.size != region.nbytes:
@@ -373,9 +380,7 @@ class GroupLayout:
         return out
 
     # ----------------------------------------------------------------- rebuild
-    def recipe(
-        self, member_rank: int, shards: Collection[int], regions: Collection[int]
-    ) -> Recipe:
+    def recipe(self, member_rank: int, shards: Collection[int], regions: Collection[int]) -> Recipe:
         """What rebuilding ``member_rank`` needs, given which other members' shards and
         which region ids are intact. Raises ``UnrecoverableError`` naming missing blocks."""
         target = self._index(member_rank)
@@ -401,7 +406,9 @@ class GroupLayout:
 
     def _replica_recipe(self, target: int, regions: set[int]) -> Recipe:
         size = len(self.members)
-        by_holder = {r.holder: r for r in self._regions if r.sources[0].rank == self.members[target]}
+        by_holder = {
+            r.holder: r for r in self._regions if r.sources[0].rank == self.members[target]
+        }
         for step in range(1, size):
             holder = self.members[(target + step) % size]
             region = by_holder[holder]

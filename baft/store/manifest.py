@@ -28,7 +28,7 @@ STATES = ("writing", "complete")
 
 def checksum(buf: np.ndarray | memoryview | bytes) -> int:
     """xxh3_64 of a contiguous buffer, without copying."""
-    return xxhash.xxh3_64_intdigest(buf)
+    return xxhash.xxh3_64_intdigest(buf.data if isinstance(buf, np.ndarray) else buf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,9 @@ class RegionRecord:
     """xxh3_64 of the bytes."""
 
 
-def chunk_records(data: np.ndarray, chunk_nbytes: int, first_id: int = 0) -> tuple[ChunkRecord, ...]:
+def chunk_records(
+    data: np.ndarray, chunk_nbytes: int, first_id: int = 0
+) -> tuple[ChunkRecord, ...]:
     """Checksums of ``data`` cut into chunks of ``chunk_nbytes`` (last one shorter)."""
     if chunk_nbytes < 1:
         raise ValueError(f"chunk_nbytes must be >= 1, got {chunk_nbytes}")

@@ -73,7 +73,9 @@ class SnapshotStore:
         if not _NAME.match(job_id):
             raise ValueError(f"job_id {job_id!r} must be a plain name ([A-Za-z0-9._-], no '/')")
         if node < 0 or rank < 0 or budget_bytes < 0:
-            raise ValueError(f"node, rank and budget_bytes must be >= 0: {node}, {rank}, {budget_bytes}")
+            raise ValueError(
+                f"node, rank and budget_bytes must be >= 0: {node}, {rank}, {budget_bytes}"
+            )
         self.root = Path(root)
         self.job_id = job_id
         self.node = node
@@ -88,7 +90,10 @@ class SnapshotStore:
     @staticmethod
     def required_bytes(data_nbytes: int, red_nbytes: int) -> int:
         """Host memory ``allocate`` needs: two slots (page-rounded) plus manifests."""
-        return NUM_SLOTS * (_round_page(data_nbytes) + _round_page(red_nbytes)) + MANIFEST_RESERVE_BYTES
+        return (
+            NUM_SLOTS * (_round_page(data_nbytes) + _round_page(red_nbytes))
+            + MANIFEST_RESERVE_BYTES
+        )
 
     def allocate(self, data_nbytes: int, red_nbytes: int) -> None:
         """Create (or reuse, keeping contents) both slots' files, pre-faulted and mapped."""
@@ -170,7 +175,9 @@ class SnapshotStore:
         if slot not in range(NUM_SLOTS):
             raise ValueError(f"slot must be 0 or 1, got {slot}")
         if (slot, kind) not in self._views:
-            raise RuntimeError(f"rank {self.rank} store: call allocate(data_nbytes, red_nbytes) first")
+            raise RuntimeError(
+                f"rank {self.rank} store: call allocate(data_nbytes, red_nbytes) first"
+            )
         return self._views[(slot, kind)]
 
     def host_bytes(self) -> int:
@@ -221,7 +228,9 @@ class SnapshotStore:
             )
         if manifest.rank != self.rank or manifest.state != "complete":
             raise ValueError(f"manifest is for rank {manifest.rank} state {manifest.state}")
-        if self._sizes and (manifest.data_nbytes > self._sizes[0] or manifest.red_nbytes > self._sizes[1]):
+        if self._sizes and (
+            manifest.data_nbytes > self._sizes[0] or manifest.red_nbytes > self._sizes[1]
+        ):
             raise ValueError(f"manifest sizes exceed the allocation {self._sizes}")
         self._write_text(self._manifest_file(slot), dumps(manifest))
 
@@ -230,9 +239,13 @@ class SnapshotStore:
         for slot in range(NUM_SLOTS):
             rec = self._read_slot(slot)
             if rec and rec.get("state") == "complete" and rec.get("version") == version:
-                self._write_json(self.path / "commit.json", {"format": FORMAT, "version": version, "slot": slot})
+                self._write_json(
+                    self.path / "commit.json", {"format": FORMAT, "version": version, "slot": slot}
+                )
                 return
-        raise ValueError(f"rank {self.rank}: no complete v{version} in the store; complete() it first")
+        raise ValueError(
+            f"rank {self.rank}: no complete v{version} in the store; complete() it first"
+        )
 
     def committed_version(self) -> int | None:
         """Version in the commit record, or None."""
@@ -285,7 +298,9 @@ class SnapshotStore:
         problems: list[str] = []
         data = self._read_view(slot, "data", m.data_nbytes, problems, where)
         data_ok = data is not None
-        for c in m.chunks if data is not None else ():
+        for c in m.chunks:
+            if data is None:
+                break
             got = checksum(data[c.offset : c.offset + c.nbytes])
             if got != c.xxh3:
                 data_ok = False
@@ -296,8 +311,8 @@ class SnapshotStore:
         red = self._read_view(slot, "red", m.red_nbytes, problems, where)
         bad = []
         for r in m.regions:
-            got = checksum(red[r.offset : r.offset + r.nbytes]) if red is not None else None
-            if got != r.xxh3:
+            found = None if red is None else checksum(red[r.offset : r.offset + r.nbytes])
+            if found != r.xxh3:
                 bad.append(r.region_id)
                 if red is not None:
                     problems.append(f"{where}: redundancy region {r.region_id} checksum mismatch")
@@ -306,9 +321,8 @@ class SnapshotStore:
     def _read_view(
         self, slot: int, kind: str, nbytes: int, problems: list[str], where: str
     ) -> np.ndarray | None:
-        if (slot, kind) in self._views:
-            view = self._views[(slot, kind)]
-        else:
+        view: np.ndarray | None = self._views.get((slot, kind))
+        if view is None:
             view = _map_readonly(self._file(slot, kind))
         if view is None or view.size < nbytes:
             size = -1 if view is None else view.size
@@ -343,7 +357,9 @@ class SnapshotStore:
                 )
             )
         versions.sort(key=lambda v: -v.version)
-        return RankInventory(self.rank, self.node, self.committed_version(), tuple(versions), tuple(problems))
+        return RankInventory(
+            self.rank, self.node, self.committed_version(), tuple(versions), tuple(problems)
+        )
 
     # --------------------------------------------------------------- lifecycle
     def destroy(self) -> None:

@@ -40,7 +40,19 @@ def test_parse_properties_and_round_trip(text: str, kind: str, k: int, m: int, s
 
 
 @pytest.mark.parametrize(
-    "text", ["", "raid5", "replicate", "replicate:0", "xor:1", "xor:x", "rs:2", "rs:0+1", "rs:2+0", "none:1"]
+    "text",
+    [
+        "",
+        "raid5",
+        "replicate",
+        "replicate:0",
+        "xor:1",
+        "xor:x",
+        "rs:2",
+        "rs:0+1",
+        "rs:2+0",
+        "none:1",
+    ],
 )
 def test_parse_errors_explain_the_format(text: str):
     with pytest.raises(ValueError, match="rs:K\\+M"):
@@ -51,7 +63,10 @@ def test_coding_groups_members_on_distinct_nodes():
     topo = Topology(num_pp=2, num_dp=2, num_tp=2, ranks_per_node=2)  # 4 nodes
     assert coding_groups(topo, Redundancy.parse("xor:4")) == ((0, 2, 4, 6), (1, 3, 5, 7))
     assert coding_groups(topo, Redundancy.parse("replicate:1")) == (
-        (0, 2), (1, 3), (4, 6), (5, 7),
+        (0, 2),
+        (1, 3),
+        (4, 6),
+        (5, 7),
     )
     assert coding_groups(topo, Redundancy.parse("none")) == tuple((r,) for r in range(8))
 
@@ -89,7 +104,10 @@ def test_replicate_layout_and_transfers():
     layout = GroupLayout(Redundancy.parse("replicate:2"), (0, 4, 8), (5, 7, 0))
     assert [layout.redundancy_nbytes(r) for r in (0, 4, 8)] == [7, 5, 12]
     assert sorted((t.src_rank, t.dst_rank, t.nbytes) for t in layout.transfers()) == [
-        (0, 4, 5), (0, 8, 5), (4, 0, 7), (4, 8, 7),
+        (0, 4, 5),
+        (0, 8, 5),
+        (4, 0, 7),
+        (4, 8, 7),
     ]
 
 
@@ -97,8 +115,11 @@ def test_xor_transfers_and_encode_into_out_slice():
     red = Redundancy.parse("xor:3")
     layout = GroupLayout(red, (0, 1, 2), (10, 16, 3))
     assert layout.segment_nbytes == 8
-    shards = {0: np.arange(10, dtype=np.uint8), 1: np.arange(100, 116, dtype=np.uint8),
-              2: np.array([7, 8, 9], np.uint8)}
+    shards = {
+        0: np.arange(10, dtype=np.uint8),
+        1: np.arange(100, 116, dtype=np.uint8),
+        2: np.array([7, 8, 9], np.uint8),
+    }
     area = np.full(layout.redundancy_nbytes(1) + 3, 0xEE, np.uint8)
     (region,) = layout.regions(1)
     ins = [np.zeros(s.nbytes, np.uint8) for s in region.sources]
@@ -146,7 +167,10 @@ def test_round_trip_up_to_tolerance(policy: str, data):
     members = tuple(range(3, 3 + red.group_size))
     layout = GroupLayout(red, members, tuple(sizes))
     rng = np.random.default_rng(seed)
-    shards = {r: rng.integers(0, 256, n, dtype=np.uint8).tobytes() for r, n in zip(members, sizes)}
+    shards = {
+        r: rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for r, n in zip(members, sizes[: red.group_size], strict=True)
+    }
     regions = _encode_all(layout, shards)
     lost = {members[i] for i in lost_idx}
     alive, regs = _survivors(layout, shards, regions, lost)
@@ -173,14 +197,19 @@ def test_beyond_tolerance_raises_and_names_missing_blocks(policy: str):
 
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=15, deadline=None)
-@given(sizes_seed=st.tuples(st.lists(st.integers(0, 100), min_size=6, max_size=6), st.integers(0, 99)))
+@given(
+    sizes_seed=st.tuples(st.lists(st.integers(0, 100), min_size=6, max_size=6), st.integers(0, 99))
+)
 def test_beyond_tolerance_never_returns_wrong_bytes(policy: str, sizes_seed):
     sizes, seed = sizes_seed
     red = Redundancy.parse(policy)
     members = tuple(range(red.group_size))
     layout = GroupLayout(red, members, tuple(sizes[: red.group_size]))
     rng = np.random.default_rng(seed)
-    shards = {r: rng.integers(0, 256, n, dtype=np.uint8).tobytes() for r, n in zip(members, sizes)}
+    shards = {
+        r: rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for r, n in zip(members, sizes[: red.group_size], strict=True)
+    }
     regions = _encode_all(layout, shards)
     lost = set(members[: red.tolerance + 1])
     alive, regs = _survivors(layout, shards, regions, lost)
@@ -197,7 +226,10 @@ def test_corrupt_region_alone_is_routed_around_with_rs():
     members = (0, 1, 2, 3)
     layout = GroupLayout(red, members, (40, 33, 48, 1))
     rng = np.random.default_rng(5)
-    shards = {r: rng.integers(0, 256, n, dtype=np.uint8).tobytes() for r, n in zip(members, layout.shard_nbytes)}
+    shards = {
+        r: rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for r, n in zip(members, layout.shard_nbytes, strict=True)
+    }
     regions = _encode_all(layout, shards)
     alive, regs = _survivors(layout, shards, regions, {0})
     # drop one more parity region (as if its checksum failed) and lose a second shard

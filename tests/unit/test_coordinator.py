@@ -21,7 +21,7 @@ CASES = [
 def _expected_sources(topo: Topology, red: Redundancy, lost_nodes: tuple[int, ...]):
     """Independent rule: recoverable iff no group loses more members than it tolerates."""
     lost = {r for r in range(topo.world_size) if topo.node_of(r) in lost_nodes}
-    expect = {}
+    expect: dict[int, tuple[str, tuple[int, ...] | None]] = {}
     for group in coding_groups(topo, red):
         gone = [r for r in group if r in lost]
         if len(gone) > red.tolerance:
@@ -59,9 +59,14 @@ def test_every_combination_of_lost_nodes(topo: Topology, policy: str):
                         assert "v=41 cannot be rebuilt" in reason, case
                     continue
                 assert (plan.version, plan.source) == (41, "memory"), case
-                got = {r: (s.kind, s.holders if s.kind != "parity" else None) for r, s in plan.shards.items()}
+                got = {
+                    r: (s.kind, s.holders if s.kind != "parity" else None)
+                    for r, s in plan.shards.items()
+                }
                 assert got == expect, case
-                assert {d.rank for d in plan.decodes} == {r for r, e in expect.items() if e[0] == "parity"}
+                assert {d.rank for d in plan.decodes} == {
+                    r for r, e in expect.items() if e[0] == "parity"
+                }
                 assert all(t.dst_rank in lost and t.src_rank not in lost for t in plan.transfers)
                 assert all(t.nbytes > 0 for t in plan.transfers)
                 assert reason.startswith("v=41 from memory: ")
@@ -102,7 +107,10 @@ def test_process_crash_only_takes_newest_complete_everywhere():
 @pytest.mark.parametrize(
     "override,why",
     [
-        ({"state": "writing"}, "v=42 (newer than committed v=41) was incomplete on rank 3 (writing)"),
+        (
+            {"state": "writing"},
+            "v=42 (newer than committed v=41) was incomplete on rank 3 (writing)",
+        ),
         ({"absent": True}, "v=42 (newer than committed v=41) was absent on rank 3"),
         ({"data_ok": False}, "v=42 (newer than committed v=41) was corrupt on rank 3"),
         ({"bad_regions": (0,)}, "v=42 (newer than committed v=41) was corrupt on rank 3"),
@@ -126,7 +134,9 @@ def test_uncommitted_version_with_a_lost_node_counts_when_rebuildable():
 
 def test_corrupted_shard_rebuilt_from_parity_on_a_live_node():
     red = Redundancy.parse("xor:4")
-    invs = fake_inventories(T4, red, (40, 41), committed=41, overrides={(1, 41): {"data_ok": False}})
+    invs = fake_inventories(
+        T4, red, (40, 41), committed=41, overrides={(1, 41): {"data_ok": False}}
+    )
     plan, reason = coordinate(T4, red, invs)
     assert plan.version == 41
     assert (plan.shards[1].kind, plan.shards[1].holders) == ("parity", (0, 2, 3))
@@ -135,7 +145,9 @@ def test_corrupted_shard_rebuilt_from_parity_on_a_live_node():
 
 def test_corrupted_shard_without_redundancy_falls_back_to_older_committed_version():
     red = Redundancy.parse("none")
-    invs = fake_inventories(T4, red, (40, 41), committed=41, overrides={(1, 41): {"data_ok": False}})
+    invs = fake_inventories(
+        T4, red, (40, 41), committed=41, overrides={(1, 41): {"data_ok": False}}
+    )
     plan, reason = coordinate(T4, red, invs)
     assert (plan.version, plan.source) == (40, "memory")
     assert reason == (
@@ -164,17 +176,21 @@ def test_replica_holder_order_and_mixed_commit_records():
     plan, reason = coordinate(T4, red, invs)
     assert plan.version == 42
     assert [(plan.shards[r].kind, plan.shards[r].holders) for r in (0, 1)] == [
-        ("replica", (2,)), ("replica", (2,)),
+        ("replica", (2,)),
+        ("replica", (2,)),
     ]
     assert [(t.src_rank, t.dst_rank, t.kind) for t in plan.transfers] == [
-        (2, 0, "region"), (2, 1, "region"),
+        (2, 0, "region"),
+        (2, 1, "region"),
     ]
     assert "rank 0 (store lost with node 0) copied from the replicate:3 replica on rank 2" in reason
 
 
 def test_newer_persisted_version_beats_older_memory_version():
     red = Redundancy.parse("none")
-    invs = fake_inventories(T4, red, (40, 41), committed=41, overrides={(1, 41): {"data_ok": False}})
+    invs = fake_inventories(
+        T4, red, (40, 41), committed=41, overrides={(1, 41): {"data_ok": False}}
+    )
     plan, reason = coordinate(T4, red, invs, persisted_versions=(20, 41))
     assert (plan.version, plan.source) == (41, "disk")
     assert "v=40 from memory is older than persisted v=41" in reason
@@ -184,7 +200,10 @@ def test_nothing_anywhere_is_a_fresh_start_and_other_topology_is_ignored():
     red = Redundancy.parse("xor:2")
     plan, reason = coordinate(T4, red, {r: None for r in range(4)})
     assert (plan.version, plan.source) == (None, "fresh")
-    assert reason == "fresh start: nothing recoverable from memory (no snapshot in any store) and nothing persisted"
+    assert (
+        reason
+        == "fresh start: nothing recoverable from memory (no snapshot in any store) and nothing persisted"
+    )
     other = Topology(num_pp=4, ranks_per_node=1)
     invs = fake_inventories(other, red, (5,), committed=5)
     plan, reason = coordinate(T4, red, invs)

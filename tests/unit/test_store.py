@@ -148,8 +148,12 @@ def test_restart_reuses_files_and_contents(tmp_path: Path):
     assert inv.committed == 7 and inv.versions[0].usable
     again.allocate(5000, 0)
     assert again.verify(slot) == []
-    assert again.data_view(slot).tobytes() == np.arange(5000, dtype=np.uint32).astype(np.uint8).tobytes()
-    assert again.read_manifest(slot).meta == {"rng": [1, 2]}
+    assert (
+        again.data_view(slot).tobytes()
+        == np.arange(5000, dtype=np.uint32).astype(np.uint8).tobytes()
+    )
+    manifest = again.read_manifest(slot)
+    assert manifest is not None and manifest.meta == {"rng": [1, 2]}
     # a different size invalidates the slot instead of trusting stale bytes
     again.allocate(6000, 0)
     assert again.inventory().versions == ()
@@ -166,8 +170,14 @@ def test_verify_detects_flipped_bytes_in_data_and_redundancy(tmp_path: Path):
     store.data_view(slot)[:] = 9
     store.red_view(slot)[:] = 4
     m = Manifest.for_layout(
-        topology=TOPO, layout=layout, rank=0, version=1, iteration=1, owned_start=0,
-        owned_stop=3000, chunks=chunk_records(store.data_view(slot), 1024),
+        topology=TOPO,
+        layout=layout,
+        rank=0,
+        version=1,
+        iteration=1,
+        owned_start=0,
+        owned_stop=3000,
+        chunks=chunk_records(store.data_view(slot), 1024),
         regions=region_records(store.red_view(slot), layout.regions(0)),
     )
     store.complete(slot, m)
@@ -295,7 +305,9 @@ _PHASED = textwrap.dedent(
 )
 def test_sigkill_at_each_phase(tmp_path: Path, phase: str, committed: int, v4_state: str):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-c", _PHASED, str(tmp_path), phase], env=env, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PHASED, str(tmp_path), phase], env=env, timeout=30
+    )
     assert proc.returncode == (0 if phase == "never" else -signal.SIGKILL)
     store = SnapshotStore(tmp_path, "job", 0, 0, 1 << 24)
     inv = store.inventory()

@@ -45,7 +45,9 @@ def execute(plan: RecoveryPlan, stores: Mapping[int, SnapshotStore]) -> dict[int
         elif source.kind == "replica":
             out[rank] = regions[rank][source.region_ids[0]].tobytes()
     for d in plan.decodes:
-        got = d.layout.rebuild(d.rank, shards.get(d.rank, {}), regions.get(d.rank, {}), recipe=d.recipe)
+        got = d.layout.rebuild(
+            d.rank, shards.get(d.rank, {}), regions.get(d.rank, {}), recipe=d.recipe
+        )
         out[d.rank] = got.tobytes()
     return out
 
@@ -70,7 +72,7 @@ def test_lose_nodes_then_rebuild_committed_version_bit_exact(policy: str, lost_n
         v2 = random_shards(sizes, 2)
         write_version(stores, layouts, T4, 2, v2)
         # v3 in flight: data partly written everywhere, never completed
-        for r, s in stores.items():
+        for s in stores.values():
             s.data_view(s.begin(3))[:10] = 0xAB
         for node in lost_nodes:
             stores[node].destroy()  # one rank per node in T4
@@ -92,7 +94,7 @@ def test_segments_of_one_shard_are_placed_at_their_offsets():
         stores[2].destroy()
         invs = {r: (s.inventory() if r != 2 else None) for r, s in stores.items()}
         plan, _ = coordinate(T4, red, invs)
-        per_src = {}
+        per_src: dict[int, list[int]] = {}
         for t in plan.transfers:
             if t.kind == "shard":
                 per_src.setdefault(t.src_rank, []).append(t.offset)
@@ -104,9 +106,13 @@ def test_segments_of_one_shard_are_placed_at_their_offsets():
         for t in plan.transfers:
             if t.kind == "shard":
                 src = stores[t.src_rank].data_view(t.src_slot)
-                shards[t.src_rank][t.offset : t.offset + t.nbytes] = src[t.offset : t.offset + t.nbytes]
+                shards[t.src_rank][t.offset : t.offset + t.nbytes] = src[
+                    t.offset : t.offset + t.nbytes
+                ]
             else:
-                regions[t.region_id] = stores[t.src_rank].red_view(t.src_slot)[t.offset : t.offset + t.nbytes]
+                regions[t.region_id] = stores[t.src_rank].red_view(t.src_slot)[
+                    t.offset : t.offset + t.nbytes
+                ]
         got = decode.layout.rebuild(2, shards, regions, recipe=decode.recipe)
         assert got.tobytes() == v1[2]
         # the replacement node repopulates its empty store with the rebuilt shard
@@ -129,5 +135,8 @@ def test_flipped_byte_on_live_rank_is_rebuilt_from_replica():
         assert invs[3] is not None and not invs[3].versions[0].data_ok
         plan, reason = coordinate(T4, red, invs)
         assert plan.shards[3].kind == "replica" and plan.shards[3].holders == (2,)
-        assert "rank 3 (shard failed its checksum) copied from the replicate:1 replica on rank 2" in reason
+        assert (
+            "rank 3 (shard failed its checksum) copied from the replicate:1 replica on rank 2"
+            in reason
+        )
         assert execute(plan, stores) == v5

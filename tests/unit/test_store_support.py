@@ -80,7 +80,9 @@ def write_version(
         red = s.red_view(slots[r])
         for region in layout.regions(r):
             ins = [shards[g.rank][g.offset : g.offset + g.nbytes] for g in region.sources]
-            layout.encode(region.region_id, ins, out=red[region.offset : region.offset + region.nbytes])
+            layout.encode(
+                region.region_id, ins, out=red[region.offset : region.offset + region.nbytes]
+            )
     for r, s in stores.items():
         data = s.data_view(slots[r])
         manifest = Manifest.for_layout(
@@ -122,7 +124,9 @@ def fake_info(
         owned_start=0,
         owned_stop=n,
         chunks=chunk_records(np.zeros(n, np.uint8), 1 << 20),
-        regions=tuple(RegionRecord(g.region_id, g.offset, g.nbytes, 0) for g in layout.regions(rank)),
+        regions=tuple(
+            RegionRecord(g.region_id, g.offset, g.nbytes, 0) for g in layout.regions(rank)
+        ),
     )
     complete = state == "complete"
     return VersionInfo(
