@@ -1,0 +1,254 @@
+"""Runtime failure injection: fire parsed :class:`FaultSpec` faults inside a training rank.
+
+The engine calls :meth:`FaultInjector.fire` at each point of an iteration (``POINTS``) and
+sleeps :meth:`FaultInjector.slot_delay` seconds at every pipeline slot. A fault that fires
+is first appended to ``{run_dir}/faults.jsonl`` (one ``os.write`` on an ``O_APPEND`` fd,
+then fsync, so concurrent ranks never interleave), announced on stderr, then carried out:
+SIGKILL, deleting store directories, flipping a byte of a committed slot, hanging.
+
+Each fault fires once per job: :meth:`FaultInjector.load` reads the faults that fired in
+earlier attempts (before torchrun restarted the worker group), and those never fire again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from baft.faults.spec import (
+    POINTS,
+    SLOT_POINT,
+    FaultRecord,
+    FaultSpec,
+    parse_records,
+)
+from baft.store.shm import NUM_SLOTS, SnapshotStore
+from baft.topology import Topology
+
+RECORDS_FILE = "faults.jsonl"
+"""File under the run directory listing every fault that fired in this job."""
+
+
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def records_path(run_dir: Path) -> Path:
+    return Path(run_dir) / RECORDS_FILE
+
+
+def read_records(run_dir: Path) -> tuple[FaultRecord, ...]:
+    """Every fault that fired in the job whose run directory is ``run_dir`` (oldest first)."""
+    try:
+        text = records_path(run_dir).read_text()
+    except FileNotFoundError:
+        return ()
+    return parse_records(text)
+
+
+def clear_records(run_dir: Path) -> None:
+    """Forget fired faults: call when a fresh job (not a torchrun restart) starts."""
+    records_path(run_dir).unlink(missing_ok=True)
+
+
+def append_record(run_dir: Path, record: FaultRecord) -> None:
+    """Append one line atomically (single write on an O_APPEND fd) and fsync it."""
+    path = records_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = record.to_json().encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        assert written == len(data), f"short write to {path}: {written} of {len(data)} B"
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FaultInjector:
+    """Fires the faults of ``specs`` that target this rank; does nothing else."""
+
+    def __init__(
+        self,
+        specs: Sequence[FaultSpec],
+        *,
+        run_dir: Path,
+        rank: int,
+        topology: Topology,
+        store_root: Path,
+        job_id: str,
+        clock: Callable[[], float] = time.time,
+        kill_self: Callable[[], None] = _sigkill_self,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        unique: dict[str, FaultSpec] = {}
+        for spec in specs:
+            spec.check(topology)
+            unique.setdefault(spec.spec_id, spec)
+        topology.node_of(rank)  # ValueError for a rank outside the topology
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.topology = topology
+        self.store_root = Path(store_root)
+        self.job_id = job_id
+        self.clock = clock
+        self.kill_self = kill_self
+        self.sleep = sleep
+        mine = [s for s in unique.values() if s.targets(rank, topology)]
+        # Faults that keep the process alive act before those that end it.
+        self._mine = tuple(sorted(mine, key=lambda s: s.terminal))
+        self._by_point = {p: tuple(s for s in self._mine if s.point == p) for p in POINTS}
+        self._slow = tuple(s for s in self._mine if s.kind == "slow")
+        self._loaded = False
+        self._earlier: set[str] = set()
+        self._fired: set[str] = set()
+
+    # ----------------------------------------------------------------- state
+    def load(self) -> tuple[FaultRecord, ...]:
+        """Read ``faults.jsonl``: faults fired in earlier attempts never fire again."""
+        records = read_records(self.run_dir)
+        self._earlier = {r.spec for r in records}
+        self._loaded = True
+        return records
+
+    def fired_records(self) -> tuple[FaultRecord, ...]:
+        """Every fault fired in this job so far, by any rank (re-reads the file)."""
+        return read_records(self.run_dir)
+
+    def pending(self) -> tuple[FaultSpec, ...]:
+        """Faults of this rank that may still fire."""
+        self._ensure_loaded()
+        return tuple(s for s in self._mine if not self._done(s))
+
+    def _ensure_loaded(self) -> None:
+        if not self._loaded:
+            self.load()
+
+    def _done(self, spec: FaultSpec) -> bool:
+        return spec.spec_id in self._fired or spec.spec_id in self._earlier
+
+    # ----------------------------------------------------------------- firing
+    def fire(self, point: str, iteration: int) -> None:
+        """Fire every due fault of this rank at ``point`` of ``iteration`` (may not return)."""
+        if point not in POINTS:
+            raise ValueError(f"point {point!r} is not one of {', '.join(POINTS)}")
+        if not self._mine:
+            return
+        self._ensure_loaded()  # first call of the attempt, before any peer can fire
+        candidates = self._by_point[point]
+        for spec in candidates:
+            if spec.matches(point, iteration) and not self._done(spec):
+                self._announce(spec, point, iteration)
+                self._act(spec)
+
+    def slot_delay(self, iteration: int) -> float:
+        """Seconds this rank should sleep at a slot of ``iteration`` (``slow`` faults)."""
+        if not self._slow:
+            return 0.0
+        self._ensure_loaded()
+        total = 0.0
+        for spec in self._slow:
+            if not spec.slows(iteration) or spec.spec_id in self._earlier:
+                continue
+            if spec.spec_id not in self._fired:
+                self._announce(spec, SLOT_POINT, iteration)
+            total += spec.seconds
+        return total
+
+    def _announce(self, spec: FaultSpec, point: str, iteration: int) -> None:
+        self._fired.add(spec.spec_id)
+        record = FaultRecord(
+            spec=spec.spec_id, rank=self.rank, time=self.clock(), iteration=iteration, point=point
+        )
+        append_record(self.run_dir, record)
+        print(
+            f"[baft] injecting {spec} at {point} (rank {self.rank}, iteration {iteration})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _act(self, spec: FaultSpec) -> None:
+        job = self.store_root / self.job_id
+        node_dir = job / f"node{self.topology.node_of(self.rank)}"
+        if spec.kind == "kill":
+            self.kill_self()
+        elif spec.kind == "node":
+            shutil.rmtree(node_dir, ignore_errors=True)
+            self.kill_self()
+        elif spec.kind == "power":
+            shutil.rmtree(job, ignore_errors=True)
+            self.kill_self()
+        elif spec.kind == "delete":
+            shutil.rmtree(node_dir / f"rank{self.rank}", ignore_errors=True)
+        elif spec.kind == "corrupt":
+            self._corrupt(spec)
+        elif spec.kind == "hang":
+            while True:
+                self.sleep(3600.0)
+        else:  # pragma: no cover - slow faults act through slot_delay
+            raise AssertionError(f"cannot fire {spec.kind} at a point")
+
+    def _corrupt(self, spec: FaultSpec) -> None:
+        store = SnapshotStore(
+            self.store_root, self.job_id, self.topology.node_of(self.rank), self.rank, 0
+        )
+        done = corrupt_committed(store, spec.target)
+        if done is None:
+            print(
+                f"[baft] {spec}: rank {self.rank} holds no committed {spec.target} bytes; "
+                "nothing was changed",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def corrupt_committed(store: SnapshotStore, target: str) -> tuple[Path, int] | None:
+    """Flip (XOR 0xFF) one byte in the middle of the newest committed slot's ``target``
+    file (``data`` or ``redundancy``), inside a checksummed range; returns the file and
+    offset, or None when the store has no committed version or nothing to damage."""
+    try:
+        committed = store.committed_version()
+    except (ValueError, OSError):
+        return None
+    for slot in range(NUM_SLOTS):
+        try:
+            manifest = store.read_manifest(slot)
+        except (ValueError, OSError):
+            continue
+        if manifest is None or manifest.version != committed:
+            continue
+        if target == "data":
+            path, start, nbytes = store.path / f"slot{slot}.data", 0, manifest.data_nbytes
+        else:
+            regions = [r for r in manifest.regions if r.nbytes > 0]
+            if not regions:
+                return None
+            big = max(regions, key=lambda r: r.nbytes)
+            path, start, nbytes = store.path / f"slot{slot}.red", big.offset, big.nbytes
+        if nbytes <= 0:
+            return None
+        offset = start + nbytes // 2
+        return (path, offset) if _flip_byte(path, offset) else None
+    return None
+
+
+def _flip_byte(path: Path, offset: int) -> bool:
+    """XOR the byte at ``offset`` with 0xFF in place; False if the file is missing or short."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        old = os.pread(fd, 1, offset)
+        if len(old) != 1:
+            return False
+        os.pwrite(fd, bytes([old[0] ^ 0xFF]), offset)
+        os.fsync(fd)
+        return True
+    finally:
+        os.close(fd)
