@@ -17,6 +17,7 @@ Only numpy and zfec; no processes, threads or I/O.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -576,17 +577,11 @@ def _padded(arrays: Sequence[np.ndarray], nbytes: int) -> list[np.ndarray]:
     return out
 
 
-_ENCODERS: dict[tuple[int, int], zfec.Encoder] = {}
-_DECODERS: dict[tuple[int, int], zfec.Decoder] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _encoder(k: int, n: int) -> zfec.Encoder:
-    if (k, n) not in _ENCODERS:
-        _ENCODERS[(k, n)] = zfec.Encoder(k, n)
-    return _ENCODERS[(k, n)]
+    return zfec.Encoder(k, n)
 
 
+@functools.lru_cache(maxsize=64)
 def _decoder(k: int, n: int) -> zfec.Decoder:
-    if (k, n) not in _DECODERS:
-        _DECODERS[(k, n)] = zfec.Decoder(k, n)
-    return _DECODERS[(k, n)]
+    return zfec.Decoder(k, n)

@@ -320,3 +320,20 @@ def test_sigkill_at_each_phase(tmp_path: Path, phase: str, committed: int, v4_st
     info = inv.get(3)
     assert info is not None and np.all(store.data_view(info.slot) == 3)
     assert store.verify(info.slot) == []
+
+
+def test_manifest_json_and_inventory_pickle_round_trip(tmp_path: Path):
+    import json
+    import pickle
+
+    from baft.store.manifest import dumps
+
+    store = SnapshotStore(tmp_path, "job", 0, 0, 1 << 20)
+    store.allocate(3000, 0)
+    _write(store, 4, 1)
+    inv = store.inventory()
+    manifest = inv.versions[0].manifest
+    assert manifest is not None
+    assert Manifest.from_dict(json.loads(dumps(manifest))) == manifest
+    assert pickle.loads(pickle.dumps(inv)) == inv
+    assert manifest.topology() == TOPO and manifest.shard_nbytes == 3000
