@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from baft.config import SCHEDULES, ModelConfig, ParallelConfig, TrainConfig
+from baft.config import SCHEDULES, CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -91,6 +91,31 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default=d_train.out_dir,
         help="run directory for metrics, timelines, summary (default %(default)s)",
     )
+    d_ck = CheckpointConfig()
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument(
+        "--checkpoint",
+        default="every=1,redundancy=xor:2,persist=50",
+        metavar="SPEC",
+        help="checkpoint policy: every=N (interval), redundancy=none|replicate:k|xor:g|rs:k+m "
+        "(across simulated nodes), persist=N (every N-th checkpoint to DCP on disk, 0=never), "
+        "keep=K, overflow=spill|stretch (default %(default)s)",
+    )
+    g.add_argument("--no-checkpoint", action="store_true", help="train without checkpoints")
+    g.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="FAULT",
+        help="inject a failure (repeatable): kill:rank=R,iter=I[,at=POINT] | node:N,iter=I | "
+        "corrupt:rank=R,iter=I | delete:rank=R,iter=I | power:iter=I | hang:rank=R,iter=I | "
+        "slow:rank=R,iter=I,s=SECONDS; POINT in iteration|snapshot|transfer|persist|step|recovery",
+    )
+    g.add_argument("--max-restarts", type=int, default=d_ck.max_restarts, help="torchrun restarts after failures (default %(default)s)")
+    g.add_argument("--timeout", type=float, default=d_ck.timeout_s, help="seconds before a hung peer fails the job (default %(default)s)")
+    g.add_argument("--profile-iters", type=int, default=d_ck.profile_iters, help="unprotected iterations profiled for bubbles (default %(default)s)")
+    g.add_argument("--store-root", default=d_ck.store_root, help="shared-memory root of the snapshot stores (default %(default)s)")
+    g.add_argument("--persist-dir", default="", help="DCP checkpoint directory (default RUN_DIR/checkpoints)")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -113,6 +138,22 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         seed=a.seed,
         out_dir=a.out,
     )
+    if not a.no_checkpoint:
+        ck = CheckpointConfig.parse(a.checkpoint)
+        ck.inject = list(a.inject)
+        ck.max_restarts = a.max_restarts
+        ck.timeout_s = a.timeout
+        ck.profile_iters = a.profile_iters
+        ck.store_root = a.store_root
+        ck.persist_dir = a.persist_dir
+        cfg.checkpoint = ck
+        if ck.inject:
+            from baft.faults.spec import FaultSpec
+
+            for spec in ck.inject:
+                FaultSpec.parse(spec)
+    elif a.inject:
+        raise ValueError("--inject needs checkpointing on: drop --no-checkpoint")
     cfg.validate()
     return cfg
 

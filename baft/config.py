@@ -121,6 +121,63 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Fault tolerance of a run: checkpoint policy, store, persistence, failure handling."""
+
+    every: int = 1
+    """Target checkpoint interval in iterations (1 = every iteration)."""
+    redundancy: str = "xor:2"
+    """none | replicate:k | xor:g | rs:k+m, across simulated nodes."""
+    persist_every: int = 50
+    """Persist every N-th committed checkpoint as a DCP checkpoint (0 = never)."""
+    keep_latest: int = 2
+    """DCP checkpoints kept on disk."""
+    on_overflow: str = "spill"
+    """spill (keep frequency, expose leftovers) or stretch (lower the frequency)."""
+    profile_iters: int = 3
+    """Unprotected iterations whose timelines make the BubbleMap (skipped after a restart)."""
+    store_root: str = "/dev/shm/baft"
+    """Root of the shared-memory snapshot stores."""
+    job_id: str = ""
+    """Store directory name; empty = derived from the run directory."""
+    budget_bytes: int = 8 << 30
+    """Hard host-memory budget per rank's store."""
+    persist_dir: str = ""
+    """DCP checkpoint directory; empty = RUN_DIR/checkpoints."""
+    timeout_s: float = 60.0
+    """Timeout of every collective and transfer: how long a hung peer can stall the job."""
+    max_restarts: int = 3
+    """torchrun worker-group restarts before giving up."""
+    inject: list[str] = field(default_factory=list)
+    """Failure injections (see baft.faults), e.g. ["kill:rank=1,iter=7"]."""
+
+    def policy(self) -> Any:
+        from baft.plan.types import CheckpointPolicy
+
+        return CheckpointPolicy(
+            every=self.every,
+            redundancy=self.redundancy,
+            persist_every=self.persist_every,
+            keep_latest=self.keep_latest,
+            on_overflow=self.on_overflow,
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> CheckpointConfig:
+        """From ``every=1,redundancy=xor:2,persist=50,keep=2,overflow=spill``."""
+        from baft.plan.types import CheckpointPolicy
+
+        p = CheckpointPolicy.parse(text)
+        return cls(
+            every=p.every,
+            redundancy=p.redundancy,
+            persist_every=p.persist_every,
+            keep_latest=p.keep_latest,
+            on_overflow=p.on_overflow,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything one training run needs."""
 
@@ -146,6 +203,8 @@ class TrainConfig:
     """``real`` or ``emulated`` (stage forward/backward become calibrated timed waits)."""
     emulated_times: dict[str, list[float]] | None = None
     """For ``emulated``: ``{"fwd": [s per stage], "bwd": [s per stage]}``."""
+    checkpoint: CheckpointConfig | None = None
+    """Fault tolerance; None trains without checkpoints."""
 
     def validate(self) -> None:
         if self.num_iterations < 1:
@@ -159,6 +218,23 @@ class TrainConfig:
         if self.compute == "emulated" and not self.emulated_times:
             raise ValueError("compute=emulated needs emulated_times (per-stage fwd/bwd seconds)")
         self.parallel.validate(self.model, self.global_batch)
+        if self.checkpoint is not None:
+            ck = self.checkpoint
+            self.checkpoint.policy()  # validates the policy fields
+            if ck.profile_iters < 1:
+                raise ValueError("profile_iters must be >= 1")
+            if ck.timeout_s <= 0:
+                raise ValueError("--timeout must be > 0 seconds")
+            from baft.store.coding import Redundancy, coding_groups
+            from baft.topology import Topology
+
+            topo = Topology(
+                num_pp=self.parallel.num_pp,
+                num_dp=self.parallel.num_dp,
+                num_tp=self.parallel.num_tp,
+                ranks_per_node=self.parallel.ranks_per_node,
+            )
+            coding_groups(topo, Redundancy.parse(ck.redundancy))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,4 +244,6 @@ class TrainConfig:
         d = dict(d)
         model = ModelConfig(**d.pop("model", {}))
         parallel = ParallelConfig(**d.pop("parallel", {}))
-        return cls(model=model, parallel=parallel, **d)
+        ck = d.pop("checkpoint", None)
+        checkpoint = CheckpointConfig(**ck) if ck is not None else None
+        return cls(model=model, parallel=parallel, checkpoint=checkpoint, **d)

@@ -7,6 +7,7 @@ box made pipelines 3-6x slower).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -41,22 +42,40 @@ def launch_env() -> dict[str, str]:
     return env
 
 
+def default_job_id(out_dir: str) -> str:
+    """A store name unique to the run directory, stable across restarts."""
+    digest = hashlib.sha1(str(Path(out_dir).resolve()).encode()).hexdigest()[:10]
+    return f"job-{digest}"
+
+
 def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """Create a clean run directory and write the config the workers read."""
+    """Create a clean run directory (and store) and write the config the workers read.
+
+    A new launch is a new job: earlier outputs, snapshot stores and DCP checkpoints of the
+    same run directory are removed. Restarts inside the launch keep everything.
+    """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "summary.json"):
+    for name in ("metrics.jsonl", "summary.json", "recoveries.jsonl", "faults.jsonl", "plan_input.json"):
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "timeline", ignore_errors=True)
+    ck = cfg.checkpoint
+    if ck is not None:
+        ck.job_id = ck.job_id or default_job_id(cfg.out_dir)
+        ck.persist_dir = ck.persist_dir or str(out / "checkpoints")
+        shutil.rmtree(Path(ck.store_root) / ck.job_id, ignore_errors=True)
+        shutil.rmtree(ck.persist_dir, ignore_errors=True)
     path = out / "config.json"
     path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return path
 
 
-def launch(cfg: TrainConfig, *, max_restarts: int = 0, quiet: bool = False) -> int:
+def launch(cfg: TrainConfig, *, max_restarts: int | None = None, quiet: bool = False) -> int:
     """Run the job to completion; returns torchrun's exit code."""
     cfg.validate()
     cfg_path = prepare_run_dir(cfg)
+    if max_restarts is None:
+        max_restarts = cfg.checkpoint.max_restarts if cfg.checkpoint else 0
     cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts)
     stdout = subprocess.DEVNULL if quiet else None
     return subprocess.run(cmd, env=launch_env(), stdout=stdout, check=False).returncode

@@ -34,6 +34,9 @@ from baft.train.mesh import Mesh
 class StepHooks(Protocol):
     """Where checkpoint work enters the training step."""
 
+    def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
+        """At the start of ``iteration``, before any compute."""
+
     def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         """At a slot, before the rank blocks (runs work planned for that bubble)."""
 
@@ -116,6 +119,8 @@ class Trainer:
         x, y = self.data.next_batch(c.dp, self.cfg.parallel.num_dp)
         x, y = x.to(self.mesh.device), y.to(self.mesh.device)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.hooks is not None:
+            self.hooks.before_iteration(iteration, tl)
         losses: list[torch.Tensor] = []
         self.protected.step(tl, x, y, losses)
         if self.cfg.parallel.num_dp > 1:
@@ -129,7 +134,7 @@ class Trainer:
         if self.hooks is not None:
             self.hooks.after_step(iteration, tl)
         tl.finish()
-        loss = float(torch.stack(losses).mean()) if losses else None
+        loss = float(torch.stack(losses).detach().mean()) if losses else None
         return StepResult(iteration=iteration, loss=loss, timeline=tl)
 
     def _allreduce_grads(self, tl: IterationTimeline) -> None:
@@ -146,6 +151,21 @@ class Trainer:
             offset += n
 
     # ---------------------------------------------------------------- state
+    @torch.no_grad()
+    def init_optimizer_state(self) -> None:
+        """Create AdamW's state now, exactly as its first step would (zeros, step 0).
+
+        Makes the checkpointed layout fixed from iteration 0 and lets a restore load
+        optimizer state into a fresh optimizer; the trajectory is unchanged.
+        """
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     def named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpointable tensor of this rank, by canonical name, in canonical order.
 

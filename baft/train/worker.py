@@ -44,30 +44,65 @@ def _gather_metrics(trainer: Trainer, res: StepResult) -> dict[str, Any]:
     }
 
 
+def _truncate_metrics(path: Path, resume: int) -> list[float]:
+    """Keep metrics of iterations before ``resume`` (a restart redoes the rest)."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if m["iteration"] < resume:
+            kept.append(m)
+    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    return [m["loss"] for m in kept]
+
+
+def _ckpt_metrics(engine: Any) -> dict[str, Any]:
+    if engine is None:
+        return {}
+    return dict(engine.last_metrics)
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg`` on this process's rank; returns the summary (on every rank)."""
     torch.set_num_threads(1)
-    mesh = init_mesh(cfg.parallel)
+    t_launch = time.time()
+    mesh = init_mesh(cfg.parallel, timeout_s=cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0)
+    t_rdzv = time.time()
     trainer = Trainer(cfg, mesh)
     out = Path(cfg.out_dir)
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     is_main = mesh.rank == 0
+    engine = None
+    resume = 0
+    if cfg.checkpoint is not None:
+        from baft.recover.runtime import recover_and_start
+
+        engine, resume = recover_and_start(cfg, mesh, trainer, t_launch=t_launch, t_rdzv=t_rdzv)
+    losses = _truncate_metrics(out / "metrics.jsonl", resume) if is_main else []
     timeline_file = open(out / "timeline" / f"rank{mesh.rank}.jsonl", "a")  # noqa: SIM115
     metrics_file = open(out / "metrics.jsonl", "a") if is_main else None  # noqa: SIM115
     progress = Progress(cfg.num_iterations, enabled=is_main)
-    losses: list[float] = []
     start = time.time()
     try:
-        for it in range(cfg.num_iterations):
+        for it in range(resume, cfg.num_iterations):
             res = trainer.train_step(it)
             timeline_file.write(json.dumps(res.timeline.to_json()) + "\n")
             timeline_file.flush()
             m = _gather_metrics(trainer, res)
+            m.update(_ckpt_metrics(engine))
             losses.append(m["loss"])
             if metrics_file is not None:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
+            if engine is not None and it == resume and engine.recovery is not None:
+                engine.recovery.first_iteration_done(is_main)
             progress.update(it + 1, m["loss"], m["iter_s"])
+        if engine is not None:
+            engine.close()
         digest = trainer.state_digest()
     finally:
         progress.close()
@@ -76,16 +111,23 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             metrics_file.close()
     summary = {
         "iterations": cfg.num_iterations,
-        "final_loss": losses[-1],
-        "first_loss": losses[0],
+        "final_loss": losses[-1] if losses else None,
+        "first_loss": losses[0] if losses else None,
         "final_state_digest": digest,
         "wall_s": time.time() - start,
         "world_size": dist.get_world_size(),
+        "recoveries": _read_jsonl(out / "recoveries.jsonl"),
         "config": cfg.to_dict(),
     }
     if is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,472 @@
+"""The checkpoint engine of one rank: plan, snapshot in bubbles, protect, commit, persist.
+
+Lifecycle (all ranks in lock-step, driven by the trainer's :class:`StepHooks`):
+
+1. **Profile.** The first ``profile_iters`` iterations run unprotected; their timelines
+   give this rank's :class:`BubbleMap`. After them every rank gathers all BubbleMaps and
+   state layouts on the checkpoint group and runs the pure planner: identical inputs,
+   identical :class:`CheckpointPlan` everywhere, no coordinator. The planner's inputs are
+   saved in the run directory, so a restarted job re-plans at once without profiling.
+2. **Snapshot (iteration v, version v).** At each slot the rank copies the chunks planned
+   there from the live tensors into the store slot for v, checksums them and posts the
+   redundancy sends those bytes complete. Leftovers run just before ``optimizer.step``
+   and count as exposed time, so the snapshot is always a consistent copy of version v.
+3. **Protect and commit.** After the step, the rank waits for its redundancy pieces,
+   encodes parity, records the manifest, and posts a tiny MIN all-reduce of its newest
+   complete version; the answer is read at the next version's start (it arrives while the
+   rank computes), and version v is committed only when every rank completed it. The
+   store never overwrites the newest committed version.
+4. **Persist.** Every ``persist_every`` committed checkpoints the committed slot is
+   written as a DCP checkpoint in the background; its slot is not reused until that is
+   done.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from baft.config import TrainConfig
+from baft.engine.device import device_copy_for
+from baft.engine.flat import FlatState, Piece
+from baft.engine.persister import Persister, SaveHandle
+from baft.engine.redundancy import RedundancyExchange
+from baft.engine.transport import GlooTransport, Transport
+from baft.pipeline import IterationTimeline
+from baft.plan.cost import CostModel
+from baft.plan.planner import plan as make_plan
+from baft.plan.types import BubbleMap, CheckpointPlan, Slot, StateLayout, Task, TaskKind
+from baft.profile.bubbles import bubble_map
+from baft.profile.timeline import parse_record
+from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
+from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
+from baft.store.shm import SnapshotStore
+from baft.train.mesh import Mesh
+from baft.train.trainer import Trainer
+
+PLAN_INPUT_FILE = "plan_input.json"
+
+
+class _Version:
+    """Bookkeeping of the version being written."""
+
+    def __init__(self, version: int, slot: int, data: torch.Tensor, red: torch.Tensor) -> None:
+        self.version = version
+        self.slot = slot
+        self.data = data
+        self.red = red
+        self.done: set[int] = set()
+        self.covered = 0
+        self.checksums: dict[int, int] = {}
+        self.snapshot_done = False
+        self.in_bubble_s = 0.0
+        self.exposed_s = 0.0
+        self.snapshot_bytes = 0
+        self.naive_thread: threading.Thread | None = None
+
+
+class CheckpointEngine:
+    """Implements the trainer's StepHooks; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        mesh: Mesh,
+        trainer: Trainer,
+        *,
+        injector: Any = None,
+        naive: bool = False,
+        transport: Transport | None = None,
+    ) -> None:
+        ck = cfg.checkpoint
+        assert ck is not None, "CheckpointEngine needs cfg.checkpoint"
+        self.cfg = cfg
+        self.ck = ck
+        self.policy = ck.policy()
+        self.mesh = mesh
+        self.rank = mesh.rank
+        self.topology = mesh.topology
+        self.trainer = trainer
+        self.injector = injector
+        self.naive = naive
+        self.redundancy = Redundancy.parse(self.policy.redundancy)
+        coding_groups(self.topology, self.redundancy)  # validates the layout early
+        self.transport: Transport = transport or GlooTransport(ck.timeout_s)
+        self.store = SnapshotStore(
+            Path(ck.store_root), ck.job_id, self.topology.node_of(self.rank), self.rank, ck.budget_bytes
+        )
+        trainer.init_optimizer_state()
+        c = mesh.coords
+        # The CPU RNG state of the version's start travels inside the flat state.
+        self._rng = torch.get_rng_state().clone()
+        rng_name = f"extra.pp{c.pp}.tp{c.tp}.rng"
+        self.flat = FlatState([*trainer.named_state(), (rng_name, self._rng)])
+        self.recovery: Any = None
+        self.copier = device_copy_for(mesh.device)
+        self.run_dir = Path(cfg.out_dir)
+        self.enabled = True
+        self.plan: CheckpointPlan | None = None
+        self.group_layout: GroupLayout | None = None
+        self.exchange: RedundancyExchange | None = None
+        self._slot_tasks: dict[str, list[tuple[Task, tuple[Piece, ...]]]] = {}
+        self._all_tasks: list[tuple[Task, tuple[Piece, ...]]] = []
+        self._chunk_by_offset: dict[int, tuple[int, int]] = {}
+        self._profile: list[dict[str, Any]] = []
+        self._cur: _Version | None = None
+        self._pending_commit: tuple[int, Any, torch.Tensor] | None = None
+        self.committed: int | None = None
+        self.persister: Persister | None = None
+        self._persist: tuple[int, SaveHandle] | None = None
+        self._checkpoints_committed = 0
+        self.last_metrics: dict[str, Any] = {}
+        self.plan_iteration = ck.profile_iters
+        trainer.hooks = self
+
+    # ------------------------------------------------------------------ set-up
+    def layout(self) -> StateLayout:
+        return StateLayout(
+            rank=self.rank, tensors=self.flat.specs(), replicas=self.topology.replicas(self.rank)
+        )
+
+    def start(self, resume_iteration: int) -> None:
+        """Prepare for training from ``resume_iteration`` (re-plans at once after a restart)."""
+        self.plan_iteration = max(resume_iteration, 0) + self.ck.profile_iters
+        saved = self.run_dir / PLAN_INPUT_FILE
+        if saved.exists():
+            self._plan_from(json.loads(saved.read_text()), source="saved profile")
+        if self.ck.persist_dir and self.policy.persist_every:
+            group = dist.new_group(backend="gloo")
+            self.persister = Persister(
+                self.ck.persist_dir,
+                keep_latest=self.policy.keep_latest,
+                process_group=group,
+                rank=self.rank,
+                timeout_s=self.ck.timeout_s * 10,
+            )
+
+    def _gather_and_plan(self) -> None:
+        records = [parse_record(d) for d in self._profile]
+        bmap = bubble_map(self.rank, records, skip=0)
+        gathered = self.transport.all_gather_object(
+            {"bubbles": _bmap_to_json(bmap), "layout": _layout_to_json(self.layout())}
+        )
+        plan_input = {"ranks": gathered, "world_size": self.topology.world_size}
+        if self.rank == 0:
+            tmp = self.run_dir / (PLAN_INPUT_FILE + ".tmp")
+            tmp.write_text(json.dumps(plan_input))
+            tmp.replace(self.run_dir / PLAN_INPUT_FILE)
+        self._plan_from(plan_input, source="profile")
+
+    def _plan_from(self, plan_input: dict[str, Any], source: str) -> None:
+        ranks = plan_input["ranks"]
+        if plan_input.get("world_size") != self.topology.world_size:
+            return
+        bubbles = {r: _bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
+        layouts = {r: _layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
+        if layouts[self.rank] != self.layout():
+            raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
+        plan = make_plan(bubbles, layouts, CostModel(), self.policy)
+        self.plan = plan
+        rp = plan.ranks[self.rank]
+        shard_sizes = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
+        self.group_layout = group_layouts(self.topology, self.redundancy, shard_sizes)[self.rank]
+        red_nbytes = self.group_layout.redundancy_nbytes(self.rank)
+        self.store.allocate(rp.owned_stop - rp.owned_start, red_nbytes)
+        self.exchange = RedundancyExchange(
+            self.group_layout if self.redundancy.kind != "none" else None,
+            self.rank,
+            self.transport,
+            self.policy.max_chunk_bytes,
+        )
+        self._slot_tasks, self._all_tasks = {}, []
+        for slot_id, tasks in list(rp.tasks.items()) + [("__spill__", rp.spilled)]:
+            for t in tasks:
+                if t.kind is TaskKind.SNAPSHOT:
+                    entry = (t, self.flat.pieces(t.offset, t.offset + t.nbytes))
+                    self._slot_tasks.setdefault(slot_id, []).append(entry)
+                    self._all_tasks.append(entry)
+        self._all_tasks.sort(key=lambda e: e[0].offset)
+        self._chunk_by_offset = {
+            t.offset - rp.owned_start: (t.chunk_id, t.offset - rp.owned_start + t.nbytes)
+            for t, _ in self._all_tasks
+        }
+        self.plan_iteration = -1
+        if self.rank == 0:
+            print(f"[baft] checkpoint plan ({source}): {plan.reason}", flush=True)
+
+    # ------------------------------------------------------------------ hooks
+    def apply_rng(self) -> None:
+        """Make the restored RNG state (inside the flat state) the live one."""
+        torch.set_rng_state(self._rng.clone())
+
+    def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._rng.copy_(torch.get_rng_state())
+        self._fire("iteration", iteration)
+        if self.naive:
+            v = self._current(iteration)
+            if v is not None:
+                v.naive_thread = threading.Thread(target=self._run_all, args=(v,), daemon=True)
+                v.naive_thread.start()
+
+    def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
+        if self.injector is not None:
+            delay = self.injector.slot_delay(timeline.iteration)
+            if delay:
+                time.sleep(delay)
+        if self.naive:
+            return
+        v = self._current(timeline.iteration)
+        if v is None:
+            return
+        for task, pieces in self._slot_tasks.get(slot_id, ()):
+            self._snapshot(v, task, pieces, timeline, slot_id, exposed=False)
+            if len(v.done) == 1:
+                self._fire("snapshot", timeline.iteration)
+
+    def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        v = self._current(iteration)
+        if v is not None:
+            if v.naive_thread is not None:
+                start = timeline.now()
+                v.naive_thread.join()
+                v.exposed_s += timeline.now() - start
+                timeline.add("snapshot-join", "ckpt", start, timeline.now(), slot="pre_step", exposed=True)
+            for task, pieces in self._all_tasks:
+                if task.chunk_id not in v.done:
+                    self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
+            self.copier.synchronize()
+            v.snapshot_done = True
+        self._fire("step", iteration)
+
+    def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        v = self._cur
+        if v is not None and v.version == iteration:
+            start = timeline.now()
+            self._fire("transfer", iteration)
+            encoded = self.exchange.finish() if self.exchange is not None else 0
+            self._complete(v, iteration)
+            end = timeline.now()
+            v.exposed_s += end - start
+            timeline.add("protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded)
+            self._post_commit(v.version)
+            self.last_metrics = self._metrics(v)
+            self._cur = None
+        else:
+            self.last_metrics = self._metrics(None)
+        if self.plan is None:
+            self._profile.append(timeline.to_json())
+            if iteration + 1 >= self.plan_iteration >= 0:
+                self._gather_and_plan()
+
+    # ------------------------------------------------------------------ snapshot
+    def _current(self, iteration: int) -> _Version | None:
+        """The version written in this iteration, begun on first use; None if none is due."""
+        if self._cur is not None and self._cur.version == iteration:
+            return self._cur
+        if not self.enabled or self.plan is None or iteration % self.plan.interval_iters:
+            return None
+        self._resolve_commit()
+        self._protect_persisted_slot()
+        if not self.store.path.exists():  # store lost under a live rank: start it afresh
+            self.store.allocate(self.store.data_view(0).size, self.store.red_view(0).size)
+        slot = self.store.begin(iteration)
+        data = torch.from_numpy(self.store.data_view(slot))
+        red = torch.from_numpy(self.store.red_view(slot))
+        self._cur = _Version(iteration, slot, data, red)
+        if self.exchange is not None:
+            self.exchange.begin(data, red)
+        return self._cur
+
+    def _snapshot(
+        self,
+        v: _Version,
+        task: Task,
+        pieces: tuple[Piece, ...],
+        timeline: IterationTimeline | None,
+        slot_id: str,
+        *,
+        exposed: bool,
+    ) -> None:
+        start = time.perf_counter()
+        owned_start = self.plan.ranks[self.rank].owned_start  # type: ignore[union-attr]
+        lo = task.offset - owned_start
+        out = v.data[lo : lo + task.nbytes]
+        self.flat.read_into(pieces, out, self.copier)
+        self.copier.synchronize()
+        v.checksums[task.chunk_id] = checksum(out.numpy())
+        v.done.add(task.chunk_id)
+        v.snapshot_bytes += task.nbytes
+        while v.covered < v.data.numel() and self._chunk_at(v.covered) in v.done:
+            v.covered = self._chunk_end(v.covered)
+        if self.exchange is not None:
+            self.exchange.post_sends(v.covered)
+        elapsed = time.perf_counter() - start
+        if exposed:
+            v.exposed_s += elapsed
+        else:
+            v.in_bubble_s += elapsed
+        if timeline is not None:
+            end = timeline.now()
+            timeline.add(
+                "snapshot", "ckpt", end - elapsed, end, slot=slot_id, bytes=task.nbytes, exposed=exposed
+            )
+
+    def _run_all(self, v: _Version) -> None:
+        """naive-async: snapshot everything at once on a background thread."""
+        for task, pieces in self._all_tasks:
+            self._snapshot(v, task, pieces, None, "naive", exposed=False)
+
+    def _chunk_at(self, shard_offset: int) -> int:
+        return self._chunk_by_offset.get(shard_offset, (-1, shard_offset))[0]
+
+    def _chunk_end(self, shard_offset: int) -> int:
+        return self._chunk_by_offset.get(shard_offset, (-1, shard_offset))[1]
+
+    # ------------------------------------------------------------------ commit
+    def _complete(self, v: _Version, iteration: int) -> None:
+        assert self.plan is not None and self.group_layout is not None
+        rp = self.plan.ranks[self.rank]
+        chunks = tuple(
+            ChunkRecord(t.chunk_id, t.offset - rp.owned_start, t.nbytes, v.checksums[t.chunk_id])
+            for t, _ in self._all_tasks
+        )
+        regions = region_records(v.red.numpy(), self.group_layout.regions(self.rank))
+        meta = {
+            "position": iteration,
+            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "flat_nbytes": self.flat.nbytes,
+        }
+        manifest = Manifest.for_layout(
+            topology=self.topology,
+            layout=self.group_layout,
+            rank=self.rank,
+            version=v.version,
+            iteration=iteration,
+            owned_start=rp.owned_start,
+            owned_stop=rp.owned_stop,
+            chunks=chunks,
+            regions=regions,
+            meta=meta,
+        )
+        self.store.complete(v.slot, manifest)
+
+    def _post_commit(self, version: int) -> None:
+        t = torch.tensor([version], dtype=torch.int64)
+        group = getattr(self.transport, "group", None)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)
+        self._pending_commit = (version, work, t)
+
+    def _resolve_commit(self) -> None:
+        if self._pending_commit is None:
+            return
+        version, work, t = self._pending_commit
+        self._pending_commit = None
+        work.wait()
+        if int(t.item()) == version:
+            self.store.commit(version)
+            self.committed = version
+            self._checkpoints_committed += 1
+            self._maybe_persist(version)
+
+    # ------------------------------------------------------------------ persist
+    def _maybe_persist(self, version: int) -> None:
+        if self.persister is None or self._checkpoints_committed % self.policy.persist_every:
+            return
+        self._fire("persist", version)
+        if self._persist is not None:
+            self._persist[1].wait()
+        slot = next(
+            s for s in (0, 1) if (m := self.store.read_manifest(s)) is not None and m.version == version
+        )
+        state = self._persist_state(slot)
+        meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
+        self._persist = (version, self.persister.save_async(version, state, meta))
+
+    def _persist_state(self, slot: int) -> dict[str, torch.Tensor]:
+        """Whole tensors of this rank's shard, as typed views of the committed slot."""
+        assert self.plan is not None
+        rp = self.plan.ranks[self.rank]
+        data = torch.from_numpy(self.store.data_view(slot))
+        out: dict[str, torch.Tensor] = {}
+        for name, t, off in zip(self.flat.names, self.flat.tensors, self.flat.offsets, strict=True):
+            n = t.numel() * t.element_size()
+            if rp.owned_start <= off and off + n <= rp.owned_stop:
+                raw = data[off - rp.owned_start : off - rp.owned_start + n]
+                out[persist_name(name)] = raw.view(t.dtype).view(t.shape)
+        return out
+
+    def _protect_persisted_slot(self) -> None:
+        """Never overwrite a slot the persister is still reading."""
+        if self._persist is not None and self._persist[0] != self.committed:
+            self._persist[1].wait()
+            self._persist = None
+
+    # ------------------------------------------------------------------ misc
+    def _fire(self, point: str, iteration: int) -> None:
+        if self.injector is not None:
+            self.injector.fire(point, iteration)
+
+    def _metrics(self, v: _Version | None) -> dict[str, Any]:
+        ex = self.exchange
+        return {
+            "committed_version": self.committed,
+            "ckpt_version": v.version if v else None,
+            "in_bubble_s": v.in_bubble_s if v else 0.0,
+            "exposed_s": v.exposed_s if v else 0.0,
+            "bytes": {
+                "snapshot": v.snapshot_bytes if v else 0,
+                "send": ex.bytes_sent if (v and ex) else 0,
+                "recv": ex.bytes_received if (v and ex) else 0,
+            },
+        }
+
+    def close(self) -> None:
+        """Finish pending commit and persist; release the store mappings."""
+        self._resolve_commit()
+        if self._persist is not None:
+            self._persist[1].wait()
+        if self.persister is not None:
+            self.persister.shutdown()
+        self.store.close()
+
+
+def persist_name(flat_name: str) -> str:
+    """DCP key of a flat-state tensor: model params keep their plain FQN."""
+    return flat_name[len("model.") :] if flat_name.startswith("model.") else flat_name
+
+
+def _bmap_to_json(b: BubbleMap) -> dict[str, Any]:
+    return {"rank": b.rank, "iteration_s": b.iteration_s, "slots": [asdict(s) for s in b.slots]}
+
+
+def _bmap_from_json(d: dict[str, Any]) -> BubbleMap:
+    return BubbleMap(
+        rank=d["rank"], iteration_s=d["iteration_s"], slots=tuple(Slot(**s) for s in d["slots"])
+    )
+
+
+def _layout_to_json(layout: StateLayout) -> dict[str, Any]:
+    return {
+        "rank": layout.rank,
+        "replicas": list(layout.replicas),
+        "tensors": [[t.name, t.nbytes] for t in layout.tensors],
+    }
+
+
+def _layout_from_json(d: dict[str, Any]) -> StateLayout:
+    from baft.plan.types import TensorSpec
+
+    return StateLayout(
+        rank=d["rank"],
+        replicas=tuple(d["replicas"]),
+        tensors=tuple(TensorSpec(name=n, nbytes=b) for n, b in d["tensors"]),
+    )
+

@@ -1,0 +1,267 @@
+"""Restore at start-up: inventory every store, agree on a plan, rebuild, load, resume.
+
+Every process runs :func:`recover_and_start` right after the process group is up (a
+fresh job finds empty stores and starts at iteration 0):
+
+1. **Inventory.** Each rank opens its node's store and verifies every checksum.
+2. **Agree.** Inventories are all-gathered on the checkpoint group and every rank runs
+   the pure coordinator on the same inputs, so all reach the same :class:`RecoveryPlan`.
+3. **Rebuild.** Peer pieces (replicas, parity inputs) move on the checkpoint group, in
+   plan order, tags = position in the plan; decoding ranks rebuild their shard.
+4. **Load.** DP replicas exchange shards (broadcast in dp order) to rebuild the full flat
+   state, which is written into the live parameters and optimizer state; the RNG state
+   travels inside the flat state; the data position is the version itself.
+5. **Report.** Rank 0 appends the recovery (version, lost iterations, source of every
+   shard, seconds per phase) to ``RUN_DIR/recoveries.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from baft.config import TrainConfig
+from baft.engine.engine import CheckpointEngine, persist_name
+from baft.engine.persister import list_versions, load_version
+from baft.recover.coordinator import RecoveryPlan, coordinate
+from baft.store.manifest import RankInventory
+from baft.train.mesh import Mesh
+from baft.train.trainer import Trainer
+
+
+class RestoreError(RuntimeError):
+    """A rank cannot be restored; the message names the shard, version and cause."""
+
+
+class RecoveryReport:
+    """Timing and provenance of one recovery, written by rank 0."""
+
+    def __init__(self, run_dir: Path, attempt: int) -> None:
+        self.run_dir = run_dir
+        self.record: dict[str, Any] = {"attempt": attempt, "seconds": {}}
+        self._t_start_first = 0.0
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.record["seconds"][name] = round(seconds, 6)
+
+    def first_iteration_started(self) -> None:
+        self._t_start_first = time.time()
+
+    def first_iteration_done(self, is_main: bool) -> None:
+        self.phase("first_iteration", time.time() - self._t_start_first)
+        if is_main:
+            with open(self.run_dir / "recoveries.jsonl", "a") as f:
+                f.write(json.dumps(self.record) + "\n")
+            r = self.record
+            secs = ", ".join(f"{k} {v:.3f}s" for k, v in r["seconds"].items())
+            print(
+                f"[baft] recovered v{r['restored_version']} from {r['source']} "
+                f"(lost {r['lost_iterations']} iteration(s)): {secs}",
+                flush=True,
+            )
+
+
+def _completed_iterations(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    done = -1
+    for line in path.read_text().splitlines():
+        try:
+            done = max(done, int(json.loads(line)["iteration"]))
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return done + 1
+
+
+def _make_injector(cfg: TrainConfig, mesh: Mesh) -> Any:
+    ck = cfg.checkpoint
+    assert ck is not None
+    if not ck.inject:
+        return None
+    from baft.faults.injector import FaultInjector
+    from baft.faults.spec import FaultSpec
+
+    injector = FaultInjector(
+        [FaultSpec.parse(s) for s in ck.inject],
+        run_dir=Path(cfg.out_dir),
+        rank=mesh.rank,
+        topology=mesh.topology,
+        store_root=Path(ck.store_root),
+        job_id=ck.job_id,
+    )
+    injector.load()
+    return injector
+
+
+def recover_and_start(
+    cfg: TrainConfig, mesh: Mesh, trainer: Trainer, *, t_launch: float, t_rdzv: float
+) -> tuple[CheckpointEngine, int]:
+    """Build the engine, restore the newest recoverable version, return (engine, resume)."""
+    ck = cfg.checkpoint
+    assert ck is not None
+    run_dir = Path(cfg.out_dir)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    injector = _make_injector(cfg, mesh)
+    engine = CheckpointEngine(cfg, mesh, trainer, injector=injector)
+    t0 = time.time()
+    inv = engine.store.inventory(verify=True) if engine.store.path.exists() else None
+    gathered = engine.transport.all_gather_object(inv)
+    invs: dict[int, RankInventory | None] = dict(enumerate(gathered))
+    persist_dir = ck.persist_dir
+    persisted = (
+        tuple(list_versions(persist_dir)) if persist_dir and Path(persist_dir).exists() else ()
+    )
+    plan, reason = coordinate(mesh.topology, engine.redundancy, invs, persisted)
+    t_inventory = time.time() - t0
+    engine.recovery = None
+    if (
+        plan.source == "fresh"
+        and attempt == 0
+        and all(i is None or not i.versions for i in invs.values())
+    ):
+        engine.start(0)
+        return engine, 0
+    report = RecoveryReport(run_dir, attempt)
+    if injector is not None:
+        injector.fire("recovery", plan.version or 0)
+    t1 = time.time()
+    if plan.source == "memory":
+        shard = _rebuild_shard(engine, plan, invs)
+        t_transfer = time.time() - t1
+        t2 = time.time()
+        _load_from_shards(engine, plan, invs, shard)
+    elif plan.source == "disk":
+        t_transfer = 0.0
+        t2 = time.time()
+        _load_from_disk(engine, plan, persist_dir)
+        engine.store.clear_versions()
+    else:
+        t_transfer = 0.0
+        t2 = time.time()
+    t_load = time.time() - t2
+    resume = plan.version or 0
+    completed = _completed_iterations(run_dir)
+    fault_times = [r.time for r in injector.fired_records()] if injector is not None else []
+    report.record.update(
+        restored_version=plan.version,
+        resume_iteration=resume,
+        lost_iterations=max(0, completed - resume),
+        source=plan.source,
+        sources={str(r): s.kind for r, s in plan.shards.items()} if plan.source == "memory" else {},
+        reason=reason,
+    )
+    if fault_times:
+        report.phase("detect_restart", t_launch - max(fault_times))
+    report.phase("rendezvous", t_rdzv - t_launch)
+    report.phase("inventory", t_inventory)
+    report.phase("transfer_decode", t_transfer)
+    report.phase("load", t_load)
+    if mesh.rank == 0:
+        print(f"[baft] recovery: {reason}", flush=True)
+    engine.recovery = report
+    engine.start(resume)
+    report.first_iteration_started()
+    return engine, resume
+
+
+def _read_file(path: Path, offset: int, nbytes: int) -> np.ndarray:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = np.frombuffer(f.read(nbytes), dtype=np.uint8)
+    if data.size != nbytes:
+        raise RestoreError(f"{path}: expected {nbytes} bytes at {offset}, read {data.size}")
+    return data.copy()
+
+
+def _rebuild_shard(
+    engine: CheckpointEngine, plan: RecoveryPlan, invs: dict[int, RankInventory | None]
+) -> np.ndarray:
+    """This rank's shard of ``plan.version``: local read, or peer pieces + decode."""
+    rank = engine.rank
+    path = engine.store.path
+    handles = []
+    received: dict[int, np.ndarray] = {}
+    for tag, t in enumerate(plan.transfers):
+        if t.src_rank == rank:
+            kind = "data" if t.kind == "shard" else "red"
+            buf = torch.from_numpy(
+                _read_file(path / f"slot{t.src_slot}.{kind}", t.offset, t.nbytes)
+            )
+            handles.append((engine.transport.isend(buf, t.dst_rank, tag), buf))
+        if t.dst_rank == rank:
+            buf = torch.empty(t.nbytes, dtype=torch.uint8)
+            handles.append((engine.transport.irecv(buf, t.src_rank, tag), buf))
+            received[tag] = buf.numpy()
+    for h, _ in handles:
+        h.wait()
+    source = plan.shards[rank]
+    n = plan.shard_nbytes[rank]
+    if source.kind == "local":
+        assert source.slot is not None
+        return _read_file(path / f"slot{source.slot}.data", 0, n)
+    decode = next((d for d in plan.decodes if d.rank == rank), None)
+    if decode is None:
+        raise RestoreError(f"rank {rank}: no local shard of v{plan.version} and no decode planned")
+    shards: dict[int, np.ndarray] = {}
+    regions: dict[int, np.ndarray] = {}
+    for tag, t in enumerate(plan.transfers):
+        if t.dst_rank != rank:
+            continue
+        if t.kind == "shard":
+            full = shards.setdefault(t.src_rank, np.zeros(plan.shard_nbytes[t.src_rank], np.uint8))
+            full[t.offset : t.offset + t.nbytes] = received[tag]
+        else:
+            region = decode.layout.region(t.region_id)
+            buf = regions.setdefault(t.region_id, np.zeros(region.nbytes, np.uint8))
+            start = t.offset - region.offset
+            buf[start : start + t.nbytes] = received[tag]
+    try:
+        return decode.layout.rebuild(rank, shards, regions, recipe=decode.recipe)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise RestoreError(f"rank {rank}: cannot rebuild shard of v{plan.version}: {e}") from e
+
+
+def _load_from_shards(
+    engine: CheckpointEngine,
+    plan: RecoveryPlan,
+    invs: dict[int, RankInventory | None],
+    shard: np.ndarray,
+) -> None:
+    """Assemble the full flat state from the DP replicas' shards and load it."""
+    replicas = engine.topology.replicas(engine.rank)
+    full = torch.empty(engine.flat.nbytes, dtype=torch.uint8)
+    pos = 0
+    for r in replicas:
+        n = plan.shard_nbytes[r]
+        piece = full[pos : pos + n]
+        if r == engine.rank:
+            piece.copy_(torch.from_numpy(shard))
+        if len(replicas) > 1:
+            dist.broadcast(piece, r, group=engine.mesh.dp_group)
+        pos += n
+    if pos != engine.flat.nbytes:
+        raise RestoreError(
+            f"rank {engine.rank}: shards of v{plan.version} cover {pos} bytes, state has {engine.flat.nbytes}"
+        )
+    with torch.no_grad():
+        engine.flat.write_from(0, full)
+    engine.apply_rng()
+
+
+def _load_from_disk(engine: CheckpointEngine, plan: RecoveryPlan, directory: str) -> None:
+    assert plan.version is not None
+    state = {
+        persist_name(n): t for n, t in zip(engine.flat.names, engine.flat.tensors, strict=True)
+    }
+    group = getattr(engine.transport, "group", None)
+    with torch.no_grad():
+        load_version(directory, plan.version, state, process_group=group)
+    engine.apply_rng()
