@@ -110,6 +110,7 @@ class CheckpointEngine:
         rng_name = f"extra.pp{c.pp}.tp{c.tp}.rng"
         self.flat = FlatState([*trainer.named_state(), (rng_name, self._rng)])
         self.recovery: Any = None
+        self.skip_version: int | None = None
         self.copier = device_copy_for(mesh.device)
         self.run_dir = Path(cfg.out_dir)
         self.enabled = True
@@ -272,6 +273,8 @@ class CheckpointEngine:
         if self._cur is not None and self._cur.version == iteration:
             return self._cur
         if not self.enabled or self.plan is None or iteration % self.plan.interval_iters:
+            return None
+        if iteration == self.skip_version:  # restored from memory: already committed there
             return None
         self._resolve_commit()
         self._protect_persisted_slot()

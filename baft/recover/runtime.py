@@ -167,6 +167,9 @@ def recover_and_start(
     if mesh.rank == 0:
         print(f"[baft] recovery: {reason}", flush=True)
     engine.recovery = report
+    if plan.source == "memory":
+        engine.skip_version = plan.version
+        engine.committed = plan.version
     engine.start(resume)
     report.first_iteration_started()
     return engine, resume
