@@ -1,0 +1,243 @@
+"""Checkpointing as people do it today, as :class:`~baft.train.trainer.StepHooks`.
+
+Each mode checkpoints every iteration and reports, in ``last_metrics`` after each step,
+the main-thread seconds it spent outside waits (``exposed_s``), inside waits
+(``in_bubble_s``, always 0 here: none of these modes knows about bubbles) and the bytes
+it protected (``bytes``). ``enabled`` switches a mode off without tearing it down;
+``drain`` waits for its background work; ``close`` releases threads and stagers.
+
+- ``torch-save``: synchronous ``torch.save`` + fsync of model and optimizer state dicts
+  after the optimizer step.
+- ``dcp-async``: ``torch.distributed.checkpoint.async_save`` (thread mode, like
+  torchtitan's ``async``) on a dedicated gloo group; the previous save is awaited first.
+- ``checkfreq``: CheckFreq's two phases: a synchronous copy into preallocated host
+  buffers before the optimizer step, then ``torch.save`` + fsync of that copy on a
+  background thread; the next snapshot waits for the previous persist.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from baft.pipeline import IterationTimeline
+from baft.train.trainer import Trainer
+
+BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
+"""Modes implemented in this module."""
+ENGINE_MODES = ("naive-async", "baft")
+"""Modes provided by ``baft.engine.engine.CheckpointEngine``."""
+ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES)
+"""Every mode ``baft bench overhead`` knows, in report order."""
+
+
+class BenchMode(Protocol):
+    """A StepHooks object with the switches and metrics the benchmark reads."""
+
+    enabled: bool
+    last_metrics: dict[str, float]
+
+    def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None: ...
+
+    def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None: ...
+
+    def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None: ...
+
+    def after_step(self, iteration: int, timeline: IterationTimeline) -> None: ...
+
+
+def empty_metrics() -> dict[str, float]:
+    return {"in_bubble_s": 0.0, "exposed_s": 0.0, "bytes": 0.0}
+
+
+def state_nbytes(trainer: Trainer) -> int:
+    """Bytes of this rank's checkpointable state (model + optimizer tensors)."""
+    return sum(t.numel() * t.element_size() for _, t in trainer.named_state())
+
+
+def _fsync_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, fsync, then atomically rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _BaselineHooks:
+    """Shared bookkeeping: per-iteration metrics reset on the first hook of an iteration."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.enabled = True
+        self.last_metrics = empty_metrics()
+        self._iteration = -1
+
+    def _begin(self, iteration: int) -> None:
+        if iteration != self._iteration:
+            self._iteration = iteration
+            self.last_metrics = empty_metrics()
+
+    def _account(self, start: float, nbytes: int = 0) -> None:
+        self.last_metrics["exposed_s"] += time.perf_counter() - start
+        self.last_metrics["bytes"] += nbytes
+
+    def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._begin(iteration)
+
+    def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
+        self._begin(timeline.iteration)
+
+    def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._begin(iteration)
+
+    def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._begin(iteration)
+
+    def drain(self) -> None:
+        """Wait for background work (none by default)."""
+
+    def close(self) -> None:
+        self.drain()
+
+
+class TorchSaveHooks(_BaselineHooks):
+    """Synchronous ``torch.save`` + fsync of model and optimizer state after each step."""
+
+    def __init__(self, trainer: Trainer, directory: Path) -> None:
+        super().__init__(trainer)
+        self.path = Path(directory) / f"rank{trainer.mesh.rank}.pt"
+
+    def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._begin(iteration)
+        if not self.enabled:
+            return
+        start = time.perf_counter()
+        model = {k: v for m in self.trainer.modules for k, v in m.state_dict().items()}
+        _fsync_save({"model": model, "optim": self.trainer.optimizer.state_dict()}, self.path)
+        self._account(start, state_nbytes(self.trainer))
+
+
+class DcpAsyncHooks(_BaselineHooks):
+    """``dcp.async_save`` in thread mode on a dedicated gloo group, after each step.
+
+    Staging is synchronous (a copy into CPU memory inside ``async_save``): on CPU the
+    default staging options (pinned memory, non-blocking copies) are unavailable, so the
+    stager gets explicit all-False :class:`StagingOptions`. ``group`` must be created
+    collectively (``dist.new_group(backend="gloo")``) on every rank.
+    """
+
+    def __init__(self, trainer: Trainer, directory: Path, group: dist.ProcessGroup) -> None:
+        super().__init__(trainer)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.directory = Path(directory)
+        self.group = group
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+        self._future: Future[Any] | None = None
+
+    def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import (
+            AsyncCheckpointerType,
+            AsyncSaveResponse,
+        )
+
+        self._begin(iteration)
+        if not self.enabled:
+            return
+        start = time.perf_counter()
+        self.drain()
+        state = dict(self.trainer.named_state())
+        writer = dcp.FileSystemWriter(self.directory, sync_files=True, overwrite=True)
+        response = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=self.group,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=self._stager,
+        )
+        if isinstance(response, AsyncSaveResponse):
+            response = response.upload_completion
+        self._future = response
+        self._account(start, sum(t.numel() * t.element_size() for t in state.values()))
+
+    def drain(self) -> None:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+
+    def close(self) -> None:
+        self.drain()
+        self._stager.close()
+
+
+class CheckFreqHooks(_BaselineHooks):
+    """CheckFreq: synchronous snapshot into preallocated buffers, background persist."""
+
+    def __init__(self, trainer: Trainer, directory: Path) -> None:
+        super().__init__(trainer)
+        self.path = Path(directory) / f"rank{trainer.mesh.rank}.pt"
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkfreq")
+        self._future: Future[None] | None = None
+
+    def _ensure_buffers(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """(Re)allocate and pre-fault buffers when the state's layout changed."""
+        layout = [(n, t.shape, t.dtype) for n, t in named]
+        current = [(n, b.shape, b.dtype) for n, b in self._buffers.items()]
+        if layout != current:
+            self._buffers = {n: torch.zeros_like(t, device="cpu") for n, t in named}
+
+    def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._begin(iteration)
+        if not self.enabled:
+            return
+        start = time.perf_counter()
+        self.drain()
+        named = list(self.trainer.named_state())
+        self._ensure_buffers(named)
+        for name, t in named:
+            self._buffers[name].copy_(t)
+        self._future = self._executor.submit(_fsync_save, dict(self._buffers), self.path)
+        self._account(start, sum(t.numel() * t.element_size() for _, t in named))
+
+    def drain(self) -> None:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+
+    def close(self) -> None:
+        self.drain()
+        self._executor.shutdown(wait=True)
+
+
+def make_baseline(mode: str, trainer: Trainer, directory: Path) -> _BaselineHooks:
+    """The hooks of baseline ``mode``, writing under ``directory/<mode>/``.
+
+    Collective for ``dcp-async`` (creates a gloo group): call on every rank in the same
+    order.
+    """
+    where = Path(directory) / mode
+    if mode == "torch-save":
+        return TorchSaveHooks(trainer, where)
+    if mode == "dcp-async":
+        return DcpAsyncHooks(trainer, where, dist.new_group(backend="gloo"))
+    if mode == "checkfreq":
+        return CheckFreqHooks(trainer, where)
+    raise ValueError(f"unknown baseline mode {mode!r}: choose one of {', '.join(BASELINE_MODES)}")

@@ -1,0 +1,274 @@
+"""``baft bench``: the command line of the benchmarks (``overhead`` now; ``recovery`` and
+``scale`` are announced but not implemented yet).
+
+``baft bench overhead`` launches one torchrun job (see :mod:`baft.bench.overhead`), reads
+its raw results, prints a table (or one JSON object with ``--json``) and writes
+``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from baft.bench.baselines import ALL_MODES, ENGINE_MODES
+from baft.bench.overhead import (
+    RAW_FILE,
+    OverheadConfig,
+    engine_job_id,
+    plot_iterations,
+    render_markdown,
+    summarize,
+)
+
+DEFAULT_RESULTS_DIR = "benchmarks/results"
+"""Where result pages go, relative to the working directory."""
+_NOT_YET = ("recovery", "scale")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``baft bench {overhead,recovery,scale}``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: checkpoint overhead side by side (recovery, scale: not yet)",
+        description="Rerunnable benchmarks whose results go to benchmarks/results/.",
+    )
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    d = OverheadConfig()
+    p = sub.add_parser(
+        "overhead",
+        help="iteration time of each checkpointing mode vs none, in one launch",
+        description="Train the reference GPT once per rank and interleave blocks of "
+        "iterations across checkpointing modes (none, torch-save, dcp-async, checkfreq, "
+        "naive-async, baft), each checkpointing every iteration.",
+    )
+    add = p.add_argument
+    add("--pp", type=int, default=d.num_pp, help="pipeline ranks (default %(default)s)")
+    add("--dp", type=int, default=d.num_dp, help="data-parallel replicas (default %(default)s)")
+    add("--schedule", default=d.schedule, help="pipeline schedule (default %(default)s)")
+    add("--microbatches", type=int, default=d.num_microbatches, help="(default %(default)s)")
+    add("--layers", type=int, default=d.num_layers, help="transformer blocks (default %(default)s)")
+    add("--d-model", type=int, default=d.d_model, help="hidden size (default %(default)s)")
+    add("--heads", type=int, default=d.num_heads, help="attention heads (default %(default)s)")
+    add("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
+    add("--batch", type=int, default=d.global_batch, help="global batch (default %(default)s)")
+    add("--blocks", type=int, default=d.num_blocks, help="blocks per mode (default %(default)s)")
+    add("--block-iters", type=int, default=d.block_iters, help="iterations per block (default %(default)s)")  # fmt: skip
+    add("--switch-iters", type=int, default=d.num_switch_iters, help="unmeasured iterations after each switch (default %(default)s)")  # fmt: skip
+    add("--warmup", type=int, default=d.num_warmup, help="unmeasured iterations at the start and per mode (default %(default)s)")  # fmt: skip
+    add("--modes", default=",".join(ALL_MODES), help="comma-separated modes (default: all)")
+    add("--compute", choices=("real", "emulated"), default=d.compute, help="stage compute (default %(default)s)")  # fmt: skip
+    add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip
+    add("--checkpoint", default=d.checkpoint, metavar="SPEC", help="policy of the engine modes naive-async and baft (default %(default)s)")  # fmt: skip
+    add("--store-root", default=d.store_root, help="shared-memory root of the engine stores (default %(default)s)")  # fmt: skip
+    add("--seed", type=int, default=d.seed, help="(default %(default)s)")
+    add("--out", default=d.out_dir, help="run directory and checkpoint files (default %(default)s)")  # fmt: skip
+    add("--results-dir", default=DEFAULT_RESULTS_DIR, help="where the results page goes (default %(default)s)")  # fmt: skip
+    add("--no-results", action="store_true", help="do not write the results page and plot")
+    add("--json", action="store_true", help="print one JSON object instead of a table")
+    add("--timeout", type=float, default=1800.0, help="kill the job after this many seconds")
+    for name in _NOT_YET:
+        sub.add_parser(name, help=f"{name} benchmark (not yet implemented)")
+    parser.set_defaults(func=run_bench)
+    return parser
+
+
+def config_from_args(a: argparse.Namespace) -> OverheadConfig:
+    cfg = OverheadConfig(
+        num_pp=a.pp,
+        num_dp=a.dp,
+        schedule=a.schedule,
+        num_microbatches=a.microbatches,
+        num_layers=a.layers,
+        d_model=a.d_model,
+        num_heads=a.heads,
+        seq_len=a.seq_len,
+        global_batch=a.batch,
+        num_blocks=a.blocks,
+        block_iters=a.block_iters,
+        num_switch_iters=a.switch_iters,
+        num_warmup=a.warmup,
+        modes=[m.strip() for m in a.modes.split(",") if m.strip()],
+        compute=a.compute,
+        out_dir=a.out,
+        seed=a.seed,
+        ranks_per_node=a.ranks_per_node,
+        checkpoint=a.checkpoint,
+        store_root=a.store_root,
+    )
+    cfg.validate()
+    return cfg
+
+
+def engine_import_error() -> str | None:
+    """Why ``baft.engine.engine.CheckpointEngine`` cannot be imported (None when it can)."""
+    try:
+        from baft.engine.engine import CheckpointEngine  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """nproc, RAM, CPU model and versions of this machine."""
+    import torch
+
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_model": platform.processor() or platform.machine(),
+        "ram_gib": None,
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["ram_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    return info
+
+
+def _clean(cfg: OverheadConfig) -> None:
+    """Remove checkpoint files and engine stores a run of ``cfg`` leaves behind."""
+    out = Path(cfg.out_dir)
+    shutil.rmtree(out / "ckpt", ignore_errors=True)
+    for mode in ENGINE_MODES:
+        shutil.rmtree(out / f"engine-{mode}", ignore_errors=True)
+        shutil.rmtree(Path(cfg.store_root) / engine_job_id(cfg.out_dir, mode), ignore_errors=True)
+
+
+def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
+    """Run the workers under torchrun; their output goes to stderr. Returns the raw JSON."""
+    from baft.train.launch import launch_env
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RAW_FILE).unlink(missing_ok=True)
+    _clean(cfg)
+    cfg_path = out / "bench-config.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    world = cfg.num_pp * cfg.num_dp
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "--monitor-interval=0.1",
+        "-m",
+        "baft.bench.overhead",
+        str(cfg_path),
+    ]
+    env = launch_env()
+    env.setdefault("BAFT_HANG_DUMP_S", str(int(timeout_s)))
+    try:
+        rc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"benchmark did not finish in {timeout_s:.0f} s") from None
+    finally:
+        _clean(cfg)
+    if rc != 0 or not (out / RAW_FILE).is_file():
+        raise RuntimeError(f"benchmark workers failed (exit code {rc}); see the log above")
+    raw: dict[str, Any] = json.loads((out / RAW_FILE).read_text())
+    return raw
+
+
+def command_line(a: argparse.Namespace) -> str:
+    """The ``baft bench overhead`` command with every flag spelled out (reproducible)."""
+    flags = [
+        ("--pp", a.pp), ("--dp", a.dp), ("--schedule", a.schedule),
+        ("--microbatches", a.microbatches), ("--layers", a.layers), ("--d-model", a.d_model),
+        ("--heads", a.heads), ("--seq-len", a.seq_len), ("--batch", a.batch),
+        ("--blocks", a.blocks), ("--block-iters", a.block_iters),
+        ("--switch-iters", a.switch_iters), ("--warmup", a.warmup), ("--modes", a.modes),
+        ("--compute", a.compute), ("--ranks-per-node", a.ranks_per_node),
+        ("--checkpoint", a.checkpoint), ("--seed", a.seed), ("--out", a.out),
+    ]  # fmt: skip
+    words = ["baft", "bench", "overhead"] + [w for f, v in flags for w in (f, str(v))]
+    return shlex.join(words + (["--json"] if a.json else []))
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"sync_snapshot_fraction: {result['sync_snapshot_fraction']:.3f} ({result['compute']})")
+    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
+    for name, m in result["modes"].items():
+        frac = m["in_bubble_fraction"]
+        print(
+            f"{name:<12} {m['median_iter_s'] * 1e3:9.1f} {m['ratio_vs_none']:7.3f} "
+            f"{m['exposed_s'] * 1e3:11.1f} {'-' if frac is None else f'{frac:.2f}':>10} "
+            f"{m['bytes_per_iter'] / 2**20:9.1f}"
+        )
+
+
+def write_results(
+    result: dict[str, Any], raw: dict[str, Any], results_dir: Path, command: str
+) -> Path:
+    """Write ``overhead-<compute>-<date>.md`` and its PNG under ``results_dir``."""
+    date = _dt.date.today().isoformat()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"overhead-{result['compute']}-{date}"
+    tag = " (EMULATED)" if result["compute"] == "emulated" else ""
+    plot_iterations(raw, results_dir / f"{stem}.png", title=f"iteration time per mode{tag}")
+    page = render_markdown(result, command=command, date=date, plot=f"{stem}.png")
+    path = results_dir / f"{stem}.md"
+    path.write_text(page)
+    return path
+
+
+def run_overhead(a: argparse.Namespace) -> int:
+    cfg = config_from_args(a)
+    engine_modes = [m for m in cfg.modes if m in ENGINE_MODES]
+    why = engine_import_error() if engine_modes else None
+    if why is not None:
+        for m in engine_modes:
+            print(f"[bench] note: skipping {m} (baft.engine.engine unavailable: {why})", file=sys.stderr)  # fmt: skip
+        cfg.modes = [m for m in cfg.modes if m not in engine_modes]
+    print(
+        f"[bench] overhead: modes {', '.join(cfg.modes)}, {cfg.total_iterations()} iterations "
+        f"on {cfg.num_pp * cfg.num_dp} ranks ({cfg.compute} compute) -> {cfg.out_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    raw = _launch(cfg, a.timeout)
+    if why is not None:
+        raw.setdefault("skipped", {}).update({m: f"import failed: {why}" for m in engine_modes})
+    result = summarize(raw, machine_info())
+    if not a.no_results:
+        path = write_results(result, raw, Path(a.results_dir), command_line(a))
+        print(f"[bench] wrote {path}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(result))
+    else:
+        _print_table(result)
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``baft bench <what>``; returns the exit code."""
+    what = getattr(args, "bench_command", None)
+    if what == "overhead":
+        try:
+            return run_overhead(args)
+        except RuntimeError as exc:
+            print(f"baft bench: error: {exc}", file=sys.stderr)
+            return 1
+    if what in _NOT_YET:
+        print(f"baft bench {what}: not yet implemented (only `baft bench overhead` exists)", file=sys.stderr)  # fmt: skip
+        return 2
+    print("baft bench: choose a benchmark: overhead (recovery, scale: not yet)", file=sys.stderr)
+    return 2

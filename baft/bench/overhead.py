@@ -1,0 +1,520 @@
+"""Side-by-side checkpoint overhead: the benchmark worker, the aggregation and the report.
+
+One torchrun launch runs ``python -m baft.bench.overhead CONFIG_JSON`` on every rank. Each
+rank builds one :class:`~baft.train.trainer.Trainer` and one hooks object per mode, then
+interleaves blocks of iterations across modes (A B C ... A B C ...). Before each block the
+mode runs ``num_switch_iters`` unmeasured iterations, and after it its background work is
+drained, so no mode's work leaks into another's numbers. Per measured iteration every rank
+records its wall seconds and the mode's ``last_metrics``; one all-reduce per block brings
+them to rank 0, which writes ``OUT/overhead-raw.json``. :func:`summarize` (pure) turns
+that into the reported numbers and :func:`render_markdown` into the results page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from baft.bench.baselines import ALL_MODES, BASELINE_MODES, ENGINE_MODES
+
+RAW_FILE = "overhead-raw.json"
+"""Name of the per-iteration raw results rank 0 writes under the run directory."""
+FIELDS = ("iter_s", "exposed_s", "in_bubble_s", "bytes")
+"""Per-iteration, per-rank values recorded for every mode."""
+
+
+def engine_job_id(out_dir: str, mode: str) -> str:
+    """Store name of engine mode ``mode`` for the run directory ``out_dir``."""
+    digest = hashlib.sha1(str(Path(out_dir).resolve()).encode()).hexdigest()[:10]
+    return f"bench-{mode}-{digest}"
+
+
+@dataclass(kw_only=True, slots=True)
+class OverheadConfig:
+    """What ``baft bench overhead`` runs; every mode sees the same model, data and ranks."""
+
+    num_pp: int = 2
+    """Pipeline ranks."""
+    num_dp: int = 1
+    """Data-parallel replicas."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (one of baft.config.SCHEDULES)."""
+    num_microbatches: int = 4
+    """Microbatches per iteration per replica."""
+    num_layers: int = 8
+    """Transformer blocks."""
+    d_model: int = 512
+    """Hidden size (a wide model: large state relative to compute)."""
+    num_heads: int = 8
+    """Attention heads."""
+    seq_len: int = 32
+    """Tokens per sequence."""
+    global_batch: int = 4
+    """Sequences per iteration over all replicas (small: checkpoint-heavy)."""
+    num_blocks: int = 6
+    """Measured blocks per mode (blocks of different modes are interleaved)."""
+    block_iters: int = 4
+    """Measured iterations per block."""
+    num_switch_iters: int = 1
+    """Unmeasured iterations a mode runs after being switched on, before its block."""
+    num_warmup: int = 2
+    """Unmeasured iterations without checkpointing at the start, then per mode once."""
+    modes: list[str] = field(default_factory=list)
+    """Modes to compare, in order; must include ``none`` (the reference)."""
+    compute: str = "real"
+    """``real`` or ``emulated`` (stage compute becomes calibrated sleeps)."""
+    out_dir: str = "runs/bench-overhead"
+    """Run directory: config, raw results and the checkpoint files the modes write."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    ranks_per_node: int = 1
+    """Ranks per simulated node (failure domain) for the engine's redundancy."""
+    checkpoint: str = "every=1,redundancy=xor:2,persist=0"
+    """Policy of the engine modes (``naive-async``, ``baft``), CheckpointPolicy syntax."""
+    store_root: str = "/dev/shm/baft"
+    """Shared-memory root of the engine modes' snapshot stores."""
+
+    def validate(self) -> None:
+        for name in ("num_blocks", "block_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('num_', '').replace('_', '-')} must be >= 1")
+        if self.num_switch_iters < 0 or self.num_warmup < 0:
+            raise ValueError("--warmup and the switch iterations must be >= 0")
+        unknown = [m for m in self.modes if m not in ALL_MODES]
+        if unknown:
+            raise ValueError(f"unknown mode(s) {unknown}: choose from {', '.join(ALL_MODES)}")
+        if "none" not in self.modes:
+            raise ValueError("--modes must include none (the reference every ratio is against)")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"--modes lists a mode twice: {self.modes}")
+        if self.compute not in ("real", "emulated"):
+            raise ValueError(f"--compute must be real or emulated, got {self.compute!r}")
+        cfg = self.train_config()
+        if any(m in ENGINE_MODES for m in self.modes):
+            cfg.checkpoint = self.engine_checkpoint("baft")
+        cfg.validate()
+
+    def engine_checkpoint(self, mode: str) -> Any:
+        """The CheckpointConfig of engine mode ``mode`` (own store, own DCP directory)."""
+        from baft.config import CheckpointConfig
+
+        ck = CheckpointConfig.parse(self.checkpoint)
+        ck.store_root = self.store_root
+        ck.job_id = engine_job_id(self.out_dir, mode)
+        ck.persist_dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
+        return ck
+
+    def train_config(self) -> Any:
+        """The TrainConfig every mode trains with."""
+        from baft.config import ModelConfig, ParallelConfig, TrainConfig
+
+        return TrainConfig(
+            model=ModelConfig(
+                num_layers=self.num_layers,
+                d_model=self.d_model,
+                num_heads=self.num_heads,
+                seq_len=self.seq_len,
+            ),
+            parallel=ParallelConfig(
+                num_dp=self.num_dp,
+                num_pp=self.num_pp,
+                schedule=self.schedule,
+                num_microbatches=self.num_microbatches,
+                ranks_per_node=self.ranks_per_node,
+            ),
+            num_iterations=self.total_iterations(),
+            global_batch=self.global_batch,
+            seed=self.seed,
+            out_dir=self.out_dir,
+        )
+
+    def total_iterations(self) -> int:
+        per_mode = self.num_warmup + self.num_blocks * (self.num_switch_iters + self.block_iters)
+        profile = sum(
+            self.engine_checkpoint(m).profile_iters for m in self.modes if m in ENGINE_MODES
+        )
+        return self.num_warmup + len(self.modes) * per_mode + profile
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OverheadConfig:
+        return cls(**d)
+
+
+# ------------------------------------------------------------------ aggregation (pure)
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize_mode(samples: dict[str, list[list[float]]]) -> dict[str, Any]:
+    """Numbers of one mode from per-iteration, per-rank samples (``FIELDS`` -> [iter][rank]).
+
+    Iteration seconds and exposed seconds are the max over ranks (the slowest rank sets
+    the pace), then the median over iterations; bytes are summed over ranks; the
+    in-bubble fraction is in-bubble seconds over all checkpoint seconds, or None when the
+    mode did no checkpoint work.
+    """
+    iter_s = [max(row) for row in samples["iter_s"]]
+    exposed = [max(row) for row in samples["exposed_s"]]
+    total_bubble = sum(sum(row) for row in samples["in_bubble_s"])
+    total_exposed = sum(sum(row) for row in samples["exposed_s"])
+    work = total_bubble + total_exposed
+    q = statistics.quantiles(iter_s, n=4) if len(iter_s) >= 2 else [iter_s[0]] * 3
+    return {
+        "median_iter_s": _median(iter_s),
+        "iqr_iter_s": q[2] - q[0],
+        "exposed_s": _median(exposed),
+        "in_bubble_fraction": total_bubble / work if work > 0 else None,
+        "bytes_per_iter": _median([sum(row) for row in samples["bytes"]]),
+        "bytes_per_rank": [_median(list(col)) for col in zip(*samples["bytes"], strict=True)],
+        "num_iters": len(iter_s),
+    }
+
+
+def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The reported result (the ``--json`` object) from the worker's raw output."""
+    modes = {name: summarize_mode(s) for name, s in raw["modes"].items()}
+    ref = modes["none"]["median_iter_s"]
+    for m in modes.values():
+        m["ratio_vs_none"] = m["median_iter_s"] / ref if ref else None
+    snapshot_s = max(raw["snapshot_s"])
+    return {
+        "sync_snapshot_fraction": snapshot_s / ref if ref else None,
+        "compute": raw["config"]["compute"],
+        "modes": modes,
+        "skipped": raw.get("skipped", {}),
+        "snapshot_s": snapshot_s,
+        "state_bytes_per_rank": raw["state_bytes"],
+        "emulated_times": raw.get("emulated_times"),
+        "wall_s": raw.get("wall_s"),
+        "config": raw["config"],
+        "machine": machine or {},
+    }
+
+
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: str | None) -> str:
+    """The results page: date, machine, command, table of raw numbers and ratios, plot."""
+    emulated = result["compute"] == "emulated"
+    tag = " (EMULATED compute)" if emulated else ""
+    cfg, mach = result["config"], result["machine"]
+    lines = [
+        f"# Checkpoint overhead, side by side{tag}",
+        "",
+        f"- date: {date}",
+        f"- machine: {mach.get('nproc')} CPUs ({mach.get('cpu_model')}), "
+        f"{mach.get('ram_gib')} GiB RAM, torch {mach.get('torch')}, python {mach.get('python')}",
+        f"- command: `{command}`",
+        f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
+        f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
+        f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
+        f"- blocks: {cfg['num_blocks']} x {cfg['block_iters']} measured iterations per mode, "
+        f"interleaved; {cfg['num_switch_iters']} unmeasured after each switch",
+        "- state per rank (model + AdamW): "
+        + ", ".join(f"{b / 2**20:.1f} MiB" for b in result["state_bytes_per_rank"]),
+        f"- sync_snapshot_fraction: {_fmt(result['sync_snapshot_fraction'], '.3f')} "
+        f"(one synchronous copy_ of the state, {result['snapshot_s'] * 1e3:.1f} ms, "
+        "over the median `none` iteration)",
+        "",
+        f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none | exposed ckpt (ms) "
+        "| in-bubble fraction | MiB protected / iter | iterations |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in result["modes"].items():
+        lines.append(
+            f"| {name}{' (EMULATED)' if emulated else ''} | {_fmt(m['median_iter_s'], '.1f', 1e3)} "
+            f"| {_fmt(m['iqr_iter_s'], '.1f', 1e3)} | {_fmt(m['ratio_vs_none'], '.3f')} "
+            f"| {_fmt(m['exposed_s'], '.1f', 1e3)} | {_fmt(m['in_bubble_fraction'], '.2f')} "
+            f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
+        )
+    lines.append("")
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"- skipped `{name}`: {why}")
+    if emulated and result.get("emulated_times"):
+        t = result["emulated_times"]
+        lines.append(
+            "- EMULATED: per-stage forward/backward sleeps (ms) calibrated on the real model: "
+            + ", ".join(
+                f"stage {i}: {f * 1e3:.1f}/{b * 1e3:.1f}"
+                for i, (f, b) in enumerate(zip(t["fwd"], t["bwd"], strict=True))
+            )
+        )
+    lines += [
+        "- Timings on a shared 2-core machine are noisy: compare modes within this run only.",
+        "",
+    ]
+    if plot:
+        lines += [f"![iteration times per mode]({plot})", ""]
+    return "\n".join(lines)
+
+
+def plot_iterations(raw: dict[str, Any], path: Path, *, title: str) -> None:
+    """Boxplot of iteration seconds (max over ranks) per mode, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(raw["modes"])
+    data = [[max(row) * 1e3 for row in raw["modes"][n]["iter_s"]] for n in names]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.set_ylabel("iteration time (ms, max over ranks)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ the worker
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def calibrate_emulated(cfg: Any, mesh: Any) -> dict[str, list[float]]:
+    """Per-stage (fwd, bwd) seconds of the real stages, measured on each rank's own stages
+    with one microbatch and shared with every rank (median over DP replicas). Collective."""
+    import torch.distributed as dist
+
+    from baft.model.emulated import calibrate_stage
+    from baft.model.gpt import build_stage_module
+    from baft.pipeline import stage_indices
+
+    par = cfg.parallel
+    micro = cfg.global_batch // par.num_dp // par.num_microbatches
+    mine = {}
+    for s in stage_indices(par.schedule, mesh.coords.pp, par.num_pp, par.num_virtual):
+        module = build_stage_module(cfg.model, s, par.num_stages, cfg.seed)
+        mine[s] = calibrate_stage(module, cfg.model, micro)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    per_stage: dict[int, list[tuple[float, float]]] = {}
+    for part in gathered:
+        for s, fb in part.items():
+            per_stage.setdefault(s, []).append(fb)
+    stages = range(par.num_stages)
+    return {
+        "fwd": [statistics.median(f for f, _ in per_stage[s]) for s in stages],
+        "bwd": [statistics.median(b for _, b in per_stage[s]) for s in stages],
+    }
+
+
+def measure_sync_snapshot(trainer: Any, num_reps: int = 5) -> float:
+    """Median seconds of one synchronous ``copy_`` of the rank's whole state into
+    preallocated, pre-faulted buffers."""
+    import torch
+
+    live = [t for _, t in trainer.named_state()]
+    buffers = [torch.empty_like(t).copy_(t) for t in live]
+    times = []
+    for _ in range(num_reps):
+        start = time.perf_counter()
+        for b, t in zip(buffers, live, strict=True):
+            b.copy_(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> Any:
+    """The hooks object of ``mode`` (None for ``none``). Collective."""
+    from baft.bench.baselines import make_baseline
+
+    if mode == "none":
+        return None
+    if mode in BASELINE_MODES:
+        return make_baseline(mode, trainer, Path(bcfg.out_dir) / "ckpt")
+    from baft.engine.engine import CheckpointEngine
+
+    run_dir = Path(bcfg.out_dir) / f"engine-{mode}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ecfg = dataclasses.replace(cfg, out_dir=str(run_dir), checkpoint=bcfg.engine_checkpoint(mode))
+    return CheckpointEngine(ecfg, mesh, trainer, naive=(mode == "naive-async"))
+
+
+def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tuple[dict, dict]:
+    """Hooks per mode (None for ``none``) and {mode: reason} for modes that could not be
+    built on some rank. Collective: every rank builds the modes in the same order."""
+    import torch
+    import torch.distributed as dist
+
+    hooks: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for mode in bcfg.modes:
+        obj, error = None, ""
+        try:
+            obj = _make_mode(mode, bcfg, cfg, mesh, trainer)
+        except Exception as exc:  # a missing or broken engine must not sink the baselines
+            error = f"{type(exc).__name__}: {exc}"
+        flag = torch.tensor([1.0 if error else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            skipped[mode] = error or "failed on another rank"
+            _close(obj)
+        else:
+            if obj is not None:
+                obj.enabled = False
+            hooks[mode] = obj
+        trainer.hooks = None  # the engine installs itself; the harness decides
+    return hooks, skipped
+
+
+def _close(hooks: Any) -> None:
+    for name in ("drain", "close", "shutdown"):
+        fn = getattr(hooks, name, None)
+        if callable(fn):
+            fn()
+            if name != "drain":
+                return
+
+
+def _switch(trainer: Any, hooks: Any, on: bool) -> None:
+    """Turn a mode on (install its hooks) or off (disable, drain background work)."""
+    if hooks is None:
+        trainer.hooks = None
+        return
+    hooks.enabled = on
+    if on:
+        trainer.hooks = hooks
+        return
+    drain = getattr(hooks, "drain", None)
+    if callable(drain):
+        drain()
+    trainer.hooks = None
+
+
+def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[float]]:
+    """Run ``num`` iterations from ``first``; rows of this rank's FIELDS values."""
+    rows = []
+    for it in range(first, first + num):
+        start = time.perf_counter()
+        trainer.train_step(it)
+        elapsed = time.perf_counter() - start
+        m = getattr(hooks, "last_metrics", None) or {}
+        nbytes = m.get("bytes", 0.0)
+        if isinstance(nbytes, dict):  # the engine reports {"snapshot", "send", "recv"}
+            nbytes = nbytes.get("snapshot", 0)
+        rows.append([elapsed, m.get("exposed_s", 0.0), m.get("in_bubble_s", 0.0), float(nbytes)])
+    return rows
+
+
+def _gather_rows(rows: list[list[float]], rank: int, world: int) -> list[list[list[float]]]:
+    """All ranks' rows of one block: [iteration][rank][field] (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(len(rows), world, len(FIELDS), dtype=torch.float64)
+    t[:, rank, :] = torch.tensor(rows, dtype=torch.float64)
+    dist.all_reduce(t)
+    out: list[list[list[float]]] = t.tolist()
+    return out
+
+
+def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
+    """Run the benchmark on this rank; rank 0 returns the raw results, others None."""
+    import torch
+    import torch.distributed as dist
+
+    from baft.bench.baselines import state_nbytes
+    from baft.train.mesh import init_mesh
+    from baft.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = bcfg.train_config()
+    mesh = init_mesh(cfg.parallel)
+    rank, world = mesh.rank, dist.get_world_size()
+    if bcfg.compute == "emulated":
+        cfg.compute = "emulated"
+        cfg.emulated_times = calibrate_emulated(cfg, mesh)
+    trainer = Trainer(cfg, mesh)
+    it = 0
+    _run_block(trainer, None, it, bcfg.num_warmup)
+    it += bcfg.num_warmup
+    hooks, skipped = _build_modes(bcfg, cfg, mesh, trainer)
+    for mode, why in skipped.items():
+        if rank == 0:
+            _log(f"skipping {mode}: {why}")
+    for h in hooks.values():  # first-call costs (allocation, profiling, planning) unmeasured
+        num = bcfg.num_warmup
+        if callable(getattr(h, "start", None)):  # the engine profiles, then plans
+            h.start(it)
+            num += h.ck.profile_iters
+        _switch(trainer, h, True)
+        _run_block(trainer, h, it, num)
+        it += num
+        _switch(trainer, h, False)
+    facts = torch.zeros(2, world, dtype=torch.float64)
+    facts[0, rank] = measure_sync_snapshot(trainer)
+    facts[1, rank] = state_nbytes(trainer)
+    dist.all_reduce(facts)
+    samples: dict[str, dict[str, list[list[float]]]] = {m: {f: [] for f in FIELDS} for m in hooks}
+    for block in range(bcfg.num_blocks):
+        for mode, h in hooks.items():
+            _switch(trainer, h, True)
+            _run_block(trainer, h, it, bcfg.num_switch_iters)
+            it += bcfg.num_switch_iters
+            rows = _run_block(trainer, h, it, bcfg.block_iters)
+            it += bcfg.block_iters
+            _switch(trainer, h, False)
+            for per_iter in _gather_rows(rows, rank, world):
+                for i, name in enumerate(FIELDS):
+                    samples[mode][name].append([r[i] for r in per_iter])
+            if rank == 0:
+                med = statistics.median(max(r) for r in samples[mode]["iter_s"])
+                _log(f"block {block + 1}/{bcfg.num_blocks} {mode}: median {med * 1e3:.1f} ms")
+    for h in hooks.values():
+        _close(h)
+    if rank != 0:
+        return None
+    return {
+        "config": bcfg.to_dict(),
+        "world_size": world,
+        "snapshot_s": facts[0].tolist(),
+        "state_bytes": [int(b) for b in facts[1].tolist()],
+        "emulated_times": cfg.emulated_times,
+        "skipped": skipped,
+        "modes": samples,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry (one process per rank, under torchrun)."""
+    import faulthandler
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    argv = sys.argv[1:] if argv is None else argv
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+    faulthandler.enable()
+    if os.environ.get("BAFT_HANG_DUMP_S"):
+        faulthandler.dump_traceback_later(float(os.environ["BAFT_HANG_DUMP_S"]), exit=True)
+    bcfg = OverheadConfig.from_dict(json.loads(Path(argv[0]).read_text()))
+    try:
+        start = time.time()
+        raw = run_worker(bcfg)
+        if raw is not None:
+            raw["wall_s"] = time.time() - start
+            (Path(bcfg.out_dir) / RAW_FILE).write_text(json.dumps(raw) + "\n")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
