@@ -259,4 +259,3 @@ class CheckpointPolicy:
                     f"policy item {item!r}: {value.strip()!r} is not a valid {conv.__name__}"
                 ) from None
         return cls(**kwargs)  # type: ignore[arg-type]
-

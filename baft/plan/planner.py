@@ -1,0 +1,476 @@
+"""Pure planner: bubbles + state layouts + cost model + policy -> CheckpointPlan.
+
+Per DP replica group the flat state is split into contiguous owned ranges, balanced by
+how many snapshot bytes each replica's bubbles can hold. Each owner cuts its range into
+chunks that fit its slots (first fit, in iteration order); what fits nowhere is spilled
+and runs right before the optimizer step. Redundancy SENDs take the bubble time left over
+(never the "collective" slots, where the network is busy): with a checkpoint every
+iteration they are reserved from the end of the iteration backwards, so they run after
+the snapshots (lag 0) where possible and in the next iteration's bubbles (lag 1)
+otherwise; with a longer interval they use the next iteration's bubbles freely.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from baft.plan.bounds import Exposure, level_split, lower_bound, replica_groups, validate_inputs
+from baft.plan.cost import CostModel, cut_sizes, slot_bytes, tail_bytes
+from baft.plan.types import (
+    BubbleMap,
+    CheckpointPlan,
+    CheckpointPolicy,
+    Chunk,
+    RankPlan,
+    StateLayout,
+    Task,
+    TaskKind,
+)
+
+__all__ = ["plan", "split_bytes"]
+
+Transfers = Mapping[int, Sequence[tuple[int, int]]]
+
+
+@dataclass(slots=True)
+class _Rank:
+    """Scratch state of one rank while planning."""
+
+    rank: int
+    slot_ids: tuple[str, ...]
+    sendable: tuple[bool, ...]
+    usable: tuple[float, ...]
+    cap: list[float]
+    slot_tasks: list[list[Task]] = field(default_factory=list)
+    spilled: list[Task] = field(default_factory=list)
+    sends: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """Reserved SEND pieces (slot index or -1 = spilled, stream, offset, nbytes)."""
+    exposure_s: float = 0.0
+    """Exposed seconds per checkpoint (spill + interference)."""
+
+
+def plan(
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    transfers: Transfers | None = None,
+) -> CheckpointPlan:
+    """Plan one checkpoint for every rank; see the module docstring for the method.
+
+    ``transfers[rank]`` lists the redundancy bytes ``(peer, nbytes)`` the rank sends per
+    checkpoint; a SEND reads only the rank's own snapshot of that version. Raises
+    ``ValueError`` with the fix when the inputs disagree.
+    """
+    validate_inputs(bubbles, layouts, transfers)
+    groups = replica_groups(layouts)
+    interval = policy.every
+    built = _build(bubbles, layouts, groups, cost, policy, transfers, interval)
+    note = ""
+    if policy.on_overflow == "stretch":
+        interval, built, note = _stretch(bubbles, layouts, groups, cost, policy, transfers, built)
+    ranks = {
+        r: RankPlan(
+            rank=r,
+            owned=chunks,
+            owned_start=start,
+            owned_stop=stop,
+            tasks={sid: tuple(ts) for sid, ts in zip(w.slot_ids, w.slot_tasks, strict=True) if ts},
+            spilled=tuple(w.spilled),
+            exposed_s=w.exposure_s / interval,
+        )
+        for r, (w, chunks, start, stop) in sorted(built.items())
+    }
+    exposed = max((rp.exposed_s for rp in ranks.values()), default=0.0)
+    bound = lower_bound(
+        bubbles, layouts, cost, policy, transfers=transfers, interval_iters=interval
+    )
+    reason = _reason(ranks, bubbles, layouts, groups, policy, interval, exposed, bound, note)
+    return CheckpointPlan(
+        ranks=ranks,
+        interval_iters=interval,
+        exposed_s=exposed,
+        lower_bound_s=bound,
+        reason=reason,
+    )
+
+
+_Built = dict[int, tuple[_Rank, tuple[Chunk, ...], int, int]]
+
+
+def _build(
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    groups: Sequence[tuple[int, ...]],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    transfers: Transfers | None,
+    interval: int,
+) -> _Built:
+    """Place every rank's work for one checkpoint at the given interval."""
+    works = {r: _new_rank(bubbles[r], policy) for r in layouts}
+    if interval == 1 and transfers:
+        for r, pairs in transfers.items():
+            _reserve_sends(works[r], [n for _, n in pairs], cost, policy)
+    out: _Built = {}
+    snap_rate = cost.copy_Bps
+    for group in groups:
+        total = layouts[group[0]].nbytes
+        caps = [_capacity_bytes(works[r], cost, policy) for r in group]
+        fixed = [_send_spill_s(works[r], cost) for r in group]
+        shares = split_bytes(total, caps, fixed, cost, policy)
+        start = 0
+        next_id = 0
+        for r, share in zip(group, shares, strict=True):
+            chunks = _place_snapshots(
+                works[r], start, start + share, next_id, snap_rate, cost, policy
+            )
+            next_id += len(chunks)
+            out[r] = (works[r], chunks, start, start + share)
+            start += share
+    for r, (w, _, _, _) in out.items():
+        pairs = list(transfers.get(r, ())) if transfers else []
+        _finish_sends(w, [n for _, n in pairs], [p for p, _ in pairs], cost, policy, interval)
+        in_bubble = sum(t.est_s for ts in w.slot_tasks for t in ts if t.kind is TaskKind.SNAPSHOT)
+        w.exposure_s = sum(t.est_s for t in w.spilled) + cost.interference * in_bubble
+    return out
+
+
+def _new_rank(bubble: BubbleMap, policy: CheckpointPolicy) -> _Rank:
+    usable = tuple(max(0.0, s.idle_s - policy.spread_margin * s.spread_s) for s in bubble.slots)
+    return _Rank(
+        rank=bubble.rank,
+        slot_ids=tuple(s.slot_id for s in bubble.slots),
+        sendable=tuple(s.kind != "collective" for s in bubble.slots),
+        usable=usable,
+        cap=list(usable),
+        slot_tasks=[[] for _ in bubble.slots],
+    )
+
+
+def _capacity_bytes(w: _Rank, cost: CostModel, policy: CheckpointPolicy) -> int:
+    """Snapshot bytes this rank's remaining slot time can hold."""
+    o, mx, mn = cost.task_overhead_s, policy.max_chunk_bytes, policy.min_chunk_bytes
+    return sum(slot_bytes(c, cost.copy_Bps, o, mx, mn) for c in w.cap)
+
+
+def _send_spill_s(w: _Rank, cost: CostModel) -> float:
+    """Seconds of reserved SEND work that found no slot (already known for interval 1)."""
+    return sum(cost.seconds(TaskKind.SEND, n) for j, _, _, n in w.sends if j < 0)
+
+
+def split_bytes(
+    total: int,
+    caps: Sequence[int],
+    fixed_s: Sequence[float],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+) -> list[int]:
+    """Split ``total`` bytes among replicas with bubble capacities ``caps`` (bytes) and
+    already-exposed seconds ``fixed_s``, minimising the largest per-rank exposure.
+
+    When everything fits and there is no interference, shares are proportional to the
+    capacities; otherwise each rank's exposure ``fixed + i*a*min(x, cap) + a*max(0, x-cap)``
+    (``a`` seconds per snapshot byte, ``i`` the interference) is levelled.
+    """
+    n = len(caps)
+    cap_sum = sum(caps)
+    if total == 0:
+        return [0] * n
+    if cost.interference == 0.0 and cap_sum >= total:
+        shares = [total * c // cap_sum for c in caps]
+        for k in range(n):
+            if sum(shares) == total:
+                break
+            if shares[k] < caps[k]:
+                shares[k] += 1
+        assert sum(shares) == total
+        return shares
+    a = cost.per_byte_s(TaskKind.SNAPSHOT, policy.max_chunk_bytes)
+    i = cost.interference
+    curves = [
+        Exposure(points=((0.0, e), (a * c, e + i * a * c)))
+        for c, e in zip(caps, fixed_s, strict=True)
+    ]
+    _, ys = level_split(curves, a * total)
+    shares = [min(total, math.floor(y / a)) for y in ys]
+    _fix_sum(shares, total)
+    return shares
+
+
+def _fix_sum(shares: list[int], total: int) -> None:
+    """Make ``shares`` add up to ``total`` by small deterministic adjustments."""
+    diff = sum(shares) - total
+    order = sorted(range(len(shares)), key=lambda k: -shares[k])
+    while diff > 0:
+        for k in order:
+            step = min(diff, shares[k], max(1, diff // len(shares)))
+            shares[k] -= step
+            diff -= step
+            if diff == 0:
+                break
+    k = 0
+    while diff < 0:
+        step = max(1, -diff // len(shares))
+        shares[order[k % len(order)]] += step
+        diff += step
+        k += 1
+
+
+def _place_snapshots(
+    w: _Rank,
+    start: int,
+    stop: int,
+    first_id: int,
+    rate: float,
+    cost: CostModel,
+    policy: CheckpointPolicy,
+) -> tuple[Chunk, ...]:
+    """First-fit the byte range into the rank's slots in order; spill the rest."""
+    o, mx, mn = cost.task_overhead_s, policy.max_chunk_bytes, policy.min_chunk_bytes
+    chunks: list[Chunk] = []
+    pos = start
+    for j, c in enumerate(w.cap):
+        if pos >= stop:
+            break
+        left = stop - pos
+        room = slot_bytes(c, rate, o, mx, mn)
+        if room < left and left <= tail_bytes(c, rate, o) and left <= mx:
+            room = left
+        take = min(room, left)
+        for size in cut_sizes(take, mx, mn):
+            task = _snap_task(len(chunks) + first_id, pos, size, cost)
+            chunks.append(Chunk(chunk_id=task.chunk_id, start=pos, stop=pos + size))
+            w.slot_tasks[j].append(task)
+            w.cap[j] -= task.est_s
+            pos += size
+    for size in cut_sizes(stop - pos, mx, mn):
+        task = _snap_task(len(chunks) + first_id, pos, size, cost)
+        chunks.append(Chunk(chunk_id=task.chunk_id, start=pos, stop=pos + size))
+        w.spilled.append(task)
+        pos += size
+    assert pos == stop
+    return tuple(chunks)
+
+
+def _snap_task(chunk_id: int, start: int, size: int, cost: CostModel) -> Task:
+    return Task(
+        kind=TaskKind.SNAPSHOT,
+        chunk_id=chunk_id,
+        nbytes=size,
+        est_s=cost.seconds(TaskKind.SNAPSHOT, size),
+        offset=start,
+    )
+
+
+def _fill_stream(
+    cap: list[float],
+    order: Sequence[int],
+    nbytes: int,
+    cost: CostModel,
+    policy: CheckpointPolicy,
+) -> list[tuple[int, int]]:
+    """Take SEND bytes slot by slot in ``order``; returns (slot index, bytes) amounts."""
+    o, mx, mn = cost.task_overhead_s, policy.max_chunk_bytes, policy.min_chunk_bytes
+    rate = cost.net_Bps
+    out: list[tuple[int, int]] = []
+    left = nbytes
+    for j in order:
+        if left == 0:
+            break
+        room = slot_bytes(cap[j], rate, o, mx, mn)
+        if room < left and left <= tail_bytes(cap[j], rate, o) and left <= mx:
+            room = left
+        take = min(room, left)
+        if take:
+            cap[j] -= sum(cost.seconds(TaskKind.SEND, s) for s in cut_sizes(take, mx, mn))
+            out.append((j, take))
+            left -= take
+    if left:
+        out.append((-1, left))
+    return out
+
+
+def _reserve_sends(
+    w: _Rank, streams: Sequence[int], cost: CostModel, policy: CheckpointPolicy
+) -> None:
+    """Interval 1: reserve SEND time from the last sendable slot backwards."""
+    order = [j for j in reversed(range(len(w.cap))) if w.sendable[j]]
+    pieces: list[tuple[int, int, int, int]] = []
+    for stream in reversed(range(len(streams))):
+        amounts = _fill_stream(w.cap, order, streams[stream], cost, policy)
+        offset = 0
+        spill = [a for a in amounts if a[0] < 0]
+        for j, take in sorted((a for a in amounts if a[0] >= 0), key=lambda a: a[0]) + spill:
+            pieces.append((j, stream, offset, take))
+            offset += take
+    w.sends = sorted(pieces, key=lambda p: (p[1], p[2]))
+
+
+def _finish_sends(
+    w: _Rank,
+    streams: Sequence[int],
+    peers: Sequence[int],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    interval: int,
+) -> None:
+    """Turn SEND reservations (interval 1) or fresh placements (interval >= 2) into tasks."""
+    if not streams:
+        return
+    snap_slots = [j for j, ts in enumerate(w.slot_tasks) if ts]
+    last_snap = snap_slots[-1] if snap_slots else 0
+    snap_spilled = bool(w.spilled)
+    placed: list[tuple[int, int, int, int, int]] = []  # slot, lag, stream, offset, nbytes
+    if interval == 1:
+        for j, stream, offset, take in w.sends:
+            lag = 0 if j < 0 or (not snap_spilled and j >= last_snap) else 1
+            placed.append((j, lag, stream, offset, take))
+    else:
+        after = [] if snap_spilled else [j for j in range(last_snap, len(w.cap)) if w.sendable[j]]
+        fresh = list(w.usable)
+        every = [j for j in range(len(w.cap)) if w.sendable[j]]
+        for stream, nbytes in enumerate(streams):
+            offset = 0
+            for j, take in _fill_stream(w.cap, after, nbytes, cost, policy):
+                if j < 0:
+                    for j2, take2 in _fill_stream(fresh, every, take, cost, policy):
+                        placed.append((j2, 1, stream, offset, take2))
+                        offset += take2
+                else:
+                    placed.append((j, 0, stream, offset, take))
+                    offset += take
+    piece = 0
+    mx, mn = policy.max_chunk_bytes, policy.min_chunk_bytes
+    for j, lag, stream, offset, take in sorted(placed, key=lambda p: (p[2], p[3])):
+        for size in cut_sizes(take, mx, mn):
+            task = Task(
+                kind=TaskKind.SEND,
+                chunk_id=piece,
+                nbytes=size,
+                est_s=cost.seconds(TaskKind.SEND, size),
+                peer=peers[stream],
+                lag=lag,
+                stream=stream,
+                offset=offset,
+            )
+            (w.spilled if j < 0 else w.slot_tasks[j]).append(task)
+            piece += 1
+            offset += size
+
+
+def _stretch(
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    groups: Sequence[tuple[int, ...]],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    transfers: Transfers | None,
+    built: _Built,
+) -> tuple[int, _Built, str]:
+    """Smallest interval >= policy.every whose exposed seconds per iteration are zero or
+    at most ``target_overhead`` of the iteration."""
+    iteration_s = max((b.iteration_s for b in bubbles.values()), default=0.0)
+    if not iteration_s > 0.0:
+        raise ValueError(
+            "on_overflow='stretch' needs BubbleMap.iteration_s > 0 to size the interval; "
+            "profile real iterations or use on_overflow='spill'"
+        )
+    target = policy.target_overhead * iteration_s
+    worst = max((w.exposure_s for w, _, _, _ in built.values()), default=0.0)
+    if worst / policy.every <= target:
+        return policy.every, built, ""
+    if policy.every == 1:
+        built = _build(bubbles, layouts, groups, cost, policy, transfers, 2)
+        worst = max((w.exposure_s for w, _, _, _ in built.values()), default=0.0)
+    interval = max(2, policy.every, math.ceil(worst / target - 1e-12))
+    note = (
+        f" (stretched from every {policy.every}: the bubbles cannot hold one checkpoint, "
+        f"so {_ms(worst)} of work per checkpoint is exposed; every {interval} iterations "
+        f"keeps that at or below {policy.target_overhead:.1%} of the "
+        f"{_ms(iteration_s)} iteration)"
+    )
+    return interval, built, note
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
+def fmt_bytes(n: int) -> str:
+    """Human-readable byte count (binary units)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024.0 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024.0
+    raise AssertionError("unreachable")
+
+
+def _rank_sentence(rp: RankPlan, bubble: BubbleMap) -> str:
+    tasks = [t for ts in rp.tasks.values() for t in ts] + list(rp.spilled)
+    snaps = [t for t in tasks if t.kind is TaskKind.SNAPSHOT]
+    sends = [t for t in tasks if t.kind is TaskKind.SEND]
+    spilled = sum(t.nbytes for t in rp.spilled)
+    idle_slots = sum(1 for s in bubble.slots if s.idle_s > 0.0)
+    text = (
+        f"rank {rp.rank} has {_ms(bubble.capacity_s())} of idle in {idle_slots} bubbles, "
+        f"snapshots {fmt_bytes(sum(t.nbytes for t in snaps))} in {len(snaps)} chunks"
+    )
+    if sends:
+        late = sum(1 for t in sends if t.lag)
+        text += (
+            f", sends {fmt_bytes(sum(t.nbytes for t in sends))} in {len(sends)} pieces "
+            f"({late} in the next iteration)"
+        )
+    return text + f", spills {fmt_bytes(spilled)}"
+
+
+def _reason(
+    ranks: Mapping[int, RankPlan],
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    groups: Sequence[tuple[int, ...]],
+    policy: CheckpointPolicy,
+    interval: int,
+    exposed: float,
+    bound: float,
+    note: str,
+) -> str:
+    """One paragraph: scale, interval, the busiest rank(s), prediction and caveats."""
+    if not ranks:
+        return "no ranks to plan."
+    total = sum(layouts[g[0]].nbytes for g in groups)
+    parts = [
+        f"{len(ranks)} ranks in {len(groups)} DP replica groups ({fmt_bytes(total)} of state "
+        f"in all); a checkpoint every {interval} iteration{'s' if interval > 1 else ''}{note}"
+    ]
+    if len(ranks) <= 4:
+        parts += [_rank_sentence(rp, bubbles[r]) for r, rp in ranks.items()]
+    else:
+        busiest = max(ranks.values(), key=lambda rp: (rp.exposed_s, -rp.rank))
+        parts.append("busiest " + _rank_sentence(busiest, bubbles[busiest.rank]))
+    parts.append(f"predicted exposed {_ms(exposed)} per iteration (lower bound {_ms(bound)})")
+    snap_total = sum(
+        t.nbytes for rp in ranks.values() for t in rp.spilled if t.kind is TaskKind.SNAPSHOT
+    )
+    if total and snap_total:
+        share = 1.0 - snap_total / total
+        hint = (
+            ""
+            if policy.on_overflow == "stretch"
+            else "; overflow=stretch lowers the frequency instead"
+        )
+        parts.append(
+            f"the bubbles hold only {share:.0%} of the snapshot work, the rest runs before "
+            f"the optimizer step{hint}"
+        )
+    if policy.persist_every:
+        parts.append(
+            f"every {policy.persist_every}th committed checkpoint is persisted in the "
+            "background (not planned per slot)"
+        )
+    return "; ".join(parts) + "."
