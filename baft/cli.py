@@ -186,6 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_train_flags(p)
     p.set_defaults(func=_run_train)
+    from baft.bench.command import add_bench_parser
+    from baft.demo import add_demo_parser
+    from baft.profile.trace import add_trace_parser
+    from baft.store.inspect import add_inspect_parser
+
+    add_demo_parser(sub)
+    try:
+        from baft.sim.command import add_plan_parser, add_simulate_parser
+
+        add_plan_parser(sub)
+        add_simulate_parser(sub)
+    except ImportError:  # pragma: no cover - simulator not installed yet
+        pass
+    add_bench_parser(sub)
+    add_inspect_parser(sub)
+    add_trace_parser(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ otherwise; with a longer interval they use the next iteration's bubbles freely.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ def _build(
         caps = [_capacity_bytes(works[r], cost, policy) for r in group]
         fixed = [_send_spill_s(works[r], cost) for r in group]
         shares = split_bytes(total, caps, fixed, cost, policy)
+        if policy.align_to_tensors:
+            shares = snap_to_tensors(shares, layouts[group[0]])
         start = 0
         next_id = 0
         for r, share in zip(group, shares, strict=True):
@@ -198,6 +201,29 @@ def split_bytes(
     shares = [min(total, math.floor(y / a)) for y in ys]
     _fix_sum(shares, total)
     return shares
+
+
+def snap_to_tensors(shares: Sequence[int], layout: StateLayout) -> list[int]:
+    """Move every boundary between DP owners to the nearest tensor boundary.
+
+    Each owner then holds whole tensors: its shard can be read back as typed views
+    (alignment) and persisted to DCP tensor by tensor without asking a peer for the rest
+    of a tensor that straddles two shards. The cost is a little balance when tensors are
+    large relative to a share; chunks inside a shard are still cut freely.
+    """
+    edges = [0]
+    for t in layout.tensors:
+        edges.append(edges[-1] + t.nbytes)
+    out, prev, cut = [], 0, 0
+    for share in shares[:-1]:
+        cut += share
+        k = bisect.bisect_left(edges, cut)
+        candidates = [edges[j] for j in (k - 1, k) if 0 <= j < len(edges)]
+        snapped = max(prev, min(candidates, key=lambda e: (abs(e - cut), e)))
+        out.append(snapped - prev)
+        prev = snapped
+    out.append(edges[-1] - prev)
+    return out
 
 
 def _fix_sum(shares: list[int], total: int) -> None:

@@ -198,6 +198,8 @@ class CheckpointPolicy:
     """With "stretch": accepted exposed seconds per iteration, as a fraction of the iteration."""
     spread_margin: float = 0.0
     """Plan on ``idle_s - spread_margin * spread_s`` per slot (0 = on the median)."""
+    align_to_tensors: bool = True
+    """Put the boundaries between DP owners on tensor boundaries (see planner.snap_to_tensors)."""
 
     def __post_init__(self) -> None:
         if self.every < 1:

@@ -22,7 +22,10 @@ from baft.topology import Topology
 MiB = 1 << 20
 # 1 MiB/s and no task overhead: one 1 MiB chunk costs exactly 1.0 s.
 UNIT = CostModel(copy_Bps=2.0**20, net_Bps=2.0**20, task_overhead_s=0.0)
-POLICY = CheckpointPolicy(max_chunk_bytes=MiB, min_chunk_bytes=64 << 10, persist_every=0)
+# Byte-level split tests: owner boundaries may cut tensors (alignment has its own test).
+POLICY = CheckpointPolicy(
+    max_chunk_bytes=MiB, min_chunk_bytes=64 << 10, persist_every=0, align_to_tensors=False
+)
 
 
 def bubble(
@@ -218,3 +221,24 @@ def test_plans_4096_ranks_completely() -> None:
     assert len(p.ranks) == 4096
     check_complete(p, layouts)
     assert p.exposed_s == 0.0 and p.lower_bound_s == 0.0
+
+
+def test_owner_boundaries_snap_to_tensor_boundaries() -> None:
+    from baft.plan.planner import snap_to_tensors
+    from baft.plan.types import StateLayout, TensorSpec
+
+    lay = StateLayout(
+        rank=0,
+        tensors=tuple(TensorSpec(name=f"t{i}", nbytes=n) for i, n in enumerate([400, 100, 300, 200])),
+        replicas=(0, 1, 2),
+    )
+    # cuts at 330 and 660 move to the nearest tensor edges 400 and 800
+    assert snap_to_tensors([330, 330, 340], lay) == [400, 400, 200]
+    assert sum(snap_to_tensors([1000, 0, 0], lay)) == 1000
+    bubbles = {r: bubble(r, [1.0, 1.0]) for r in (0, 1)}
+    layouts = {
+        r: StateLayout(rank=r, tensors=lay.tensors, replicas=(0, 1)) for r in (0, 1)
+    }
+    p = plan(bubbles, layouts, UNIT, CheckpointPolicy(max_chunk_bytes=MiB, min_chunk_bytes=64))
+    edges = {0, 400, 500, 800, 1000}
+    assert p.ranks[0].owned_stop in edges and p.ranks[1].owned_start == p.ranks[0].owned_stop
