@@ -177,7 +177,8 @@ def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
     env = launch_env()
     env.setdefault("BAFT_HANG_DUMP_S", str(int(timeout_s)))
     try:
-        rc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=timeout_s).returncode
+        # fd 2: worker output goes to stderr, so stdout carries only the result
+        rc = subprocess.run(cmd, env=env, stdout=2, timeout=timeout_s).returncode
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"benchmark did not finish in {timeout_s:.0f} s") from None
     finally:

@@ -1,0 +1,154 @@
+"""Aggregation, report and config of ``baft bench overhead`` on fake numbers (no torch run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+
+from baft.bench.command import add_bench_parser, command_line, config_from_args, run_bench
+from baft.bench.overhead import OverheadConfig, render_markdown, summarize, summarize_mode
+
+
+def _samples(iter_s: list[list[float]], **other: list[list[float]]) -> dict[str, Any]:
+    zeros = [[0.0 for _ in row] for row in iter_s]
+    return {
+        "iter_s": iter_s,
+        "exposed_s": other.get("exposed_s", zeros),
+        "in_bubble_s": other.get("in_bubble_s", zeros),
+        "bytes": other.get("bytes", zeros),
+    }
+
+
+def _raw() -> dict[str, Any]:
+    cfg = OverheadConfig(modes=["none", "torch-save", "baft"]).to_dict()
+    return {
+        "config": cfg,
+        "world_size": 2,
+        "snapshot_s": [0.010, 0.020],
+        "state_bytes": [100, 60],
+        "emulated_times": None,
+        "skipped": {"naive-async": "ImportError: nope"},
+        "wall_s": 12.0,
+        "modes": {
+            # per iteration: [rank0, rank1]
+            "none": _samples([[0.10, 0.20], [0.30, 0.25], [0.19, 0.05]]),
+            "torch-save": _samples(
+                [[0.40, 0.30], [0.50, 0.20], [0.10, 0.45]],
+                exposed_s=[[0.2, 0.1], [0.3, 0.1], [0.1, 0.25]],
+                bytes=[[100, 60], [100, 60], [100, 60]],
+            ),
+            "baft": _samples(
+                [[0.20, 0.21], [0.22, 0.20], [0.21, 0.21]],
+                exposed_s=[[0.01, 0.0], [0.0, 0.0], [0.02, 0.01]],
+                in_bubble_s=[[0.03, 0.02], [0.04, 0.02], [0.02, 0.03]],
+                bytes=[[100, 60], [100, 60], [100, 60]],
+            ),
+        },
+    }
+
+
+def test_summarize_mode_takes_max_over_ranks_then_median() -> None:
+    m = summarize_mode(_raw()["modes"]["torch-save"])
+    assert m["median_iter_s"] == 0.45  # maxes 0.40, 0.50, 0.45
+    assert m["exposed_s"] == 0.25  # maxes 0.2, 0.3, 0.25
+    assert m["in_bubble_fraction"] == 0.0
+    assert m["bytes_per_iter"] == 160
+    assert m["bytes_per_rank"] == [100, 60]
+    assert m["num_iters"] == 3
+
+
+def test_in_bubble_fraction_is_share_of_all_checkpoint_seconds() -> None:
+    m = summarize_mode(_raw()["modes"]["baft"])
+    bubble, exposed = 0.03 + 0.02 + 0.04 + 0.02 + 0.02 + 0.03, 0.01 + 0.02 + 0.01
+    assert m["in_bubble_fraction"] == pytest.approx(bubble / (bubble + exposed))
+    assert summarize_mode(_raw()["modes"]["none"])["in_bubble_fraction"] is None
+
+
+def test_summarize_ratios_and_snapshot_fraction() -> None:
+    result = summarize(_raw(), {"nproc": 2})
+    assert result["modes"]["none"]["median_iter_s"] == 0.20  # maxes 0.20, 0.30, 0.19
+    assert result["modes"]["none"]["ratio_vs_none"] == 1.0
+    assert result["modes"]["torch-save"]["ratio_vs_none"] == pytest.approx(0.45 / 0.20)
+    assert result["modes"]["baft"]["ratio_vs_none"] == pytest.approx(0.21 / 0.20)
+    assert result["sync_snapshot_fraction"] == pytest.approx(0.020 / 0.20)  # slowest rank
+    assert result["compute"] == "real"
+    assert result["machine"] == {"nproc": 2}
+    assert result["skipped"] == {"naive-async": "ImportError: nope"}
+    assert list(result["modes"]) == ["none", "torch-save", "baft"]
+    keys = {"median_iter_s", "ratio_vs_none", "exposed_s", "in_bubble_fraction", "bytes_per_iter"}
+    assert all(keys <= set(m) for m in result["modes"].values())
+    json.dumps(result)  # one JSON object
+
+
+def test_paired_ratio_compares_blocks_of_the_same_round() -> None:
+    raw = _raw()
+    raw["config"]["block_iters"] = 1  # three rounds of one iteration each
+    result = summarize(raw)
+    # torch-save / none per round: 0.40/0.20=2.0, 0.50/0.30=1.67, 0.45/0.19=2.37 -> 2.0
+    assert result["modes"]["torch-save"]["paired_ratio_vs_none"] == pytest.approx(2.0)
+    assert result["modes"]["none"]["paired_ratio_vs_none"] == 1.0
+
+
+def test_markdown_table_has_raw_numbers_and_ratios() -> None:
+    result = summarize(_raw(), {"nproc": 2, "cpu_model": "Fake CPU", "ram_gib": 24.0})
+    page = render_markdown(result, command="baft bench overhead", date="2026-01-02", plot="x.png")
+    assert "2026-01-02" in page and "Fake CPU" in page and "`baft bench overhead`" in page
+    assert "| torch-save | 450.0 |" in page
+    assert "| 2.250 | 2.250 |" in page  # ratio of medians, paired ratio (one block)
+    assert "EMULATED" not in page
+    assert "skipped `naive-async`: ImportError: nope" in page
+    assert "![iteration times per mode](x.png)" in page
+
+
+def test_emulated_results_are_labelled() -> None:
+    raw = _raw()
+    raw["config"]["compute"] = "emulated"
+    raw["emulated_times"] = {"fwd": [0.01, 0.02], "bwd": [0.03, 0.04]}
+    page = render_markdown(summarize(raw), command="c", date="d", plot=None)
+    assert page.splitlines()[0].endswith("(EMULATED compute)")
+    assert "| none (EMULATED) |" in page
+    assert "stage 1: 20.0/40.0" in page
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="baft")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_config_from_flags_and_exact_command() -> None:
+    a = _parse("overhead", "--modes", "none,torch-save", "--blocks", "3", "--d-model", "64")
+    cfg = config_from_args(a)
+    assert cfg.modes == ["none", "torch-save"] and cfg.num_blocks == 3 and cfg.d_model == 64
+    again = config_from_args(_parse(*command_line(a).split()[2:]))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--modes", "torch-save"], "must include none"),
+        (["--modes", "none,fast"], "unknown mode"),
+        (["--modes", "none,none"], "twice"),
+        (["--blocks", "0"], "--blocks must be >= 1"),
+        (["--batch", "3"], "must split evenly"),
+    ],
+)
+def test_bad_flags_raise_value_error_with_the_fix(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from_args(_parse("overhead", *flags))
+
+
+def test_not_yet_benchmarks_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench(_parse("recovery")) == 2
+    assert "not yet implemented" in capsys.readouterr().err
+    assert run_bench(_parse()) == 2
+
+
+def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
+    cfg = OverheadConfig(modes=["none", "baft"], num_blocks=2, block_iters=3, num_warmup=1)
+    # 1 global warm-up + 2 modes x (1 warm-up + 2 blocks x (1 switch + 3)) + 3 profiling
+    assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3
