@@ -111,11 +111,32 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "corrupt:rank=R,iter=I | delete:rank=R,iter=I | power:iter=I | hang:rank=R,iter=I | "
         "slow:rank=R,iter=I,s=SECONDS; POINT in iteration|snapshot|transfer|persist|step|recovery",
     )
-    g.add_argument("--max-restarts", type=int, default=d_ck.max_restarts, help="torchrun restarts after failures (default %(default)s)")
-    g.add_argument("--timeout", type=float, default=d_ck.timeout_s, help="seconds before a hung peer fails the job (default %(default)s)")
-    g.add_argument("--profile-iters", type=int, default=d_ck.profile_iters, help="unprotected iterations profiled for bubbles (default %(default)s)")
-    g.add_argument("--store-root", default=d_ck.store_root, help="shared-memory root of the snapshot stores (default %(default)s)")
-    g.add_argument("--persist-dir", default="", help="DCP checkpoint directory (default RUN_DIR/checkpoints)")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d_ck.max_restarts,
+        help="torchrun restarts after failures (default %(default)s)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=d_ck.timeout_s,
+        help="seconds before a hung peer fails the job (default %(default)s)",
+    )
+    g.add_argument(
+        "--profile-iters",
+        type=int,
+        default=d_ck.profile_iters,
+        help="unprotected iterations profiled for bubbles (default %(default)s)",
+    )
+    g.add_argument(
+        "--store-root",
+        default=d_ck.store_root,
+        help="shared-memory root of the snapshot stores (default %(default)s)",
+    )
+    g.add_argument(
+        "--persist-dir", default="", help="DCP checkpoint directory (default RUN_DIR/checkpoints)"
+    )
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:

@@ -47,10 +47,21 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default="runs/demo", help="directory for both runs (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=30, help="iterations per run (default %(default)s)")
-    p.add_argument("--kill-at", type=int, default=8, help="iteration of the rank crash (default %(default)s)")
-    p.add_argument("--node-loss-at", type=int, default=18, help="iteration of the node loss (default %(default)s)")
+    p.add_argument(
+        "--out", default="runs/demo", help="directory for both runs (default %(default)s)"
+    )
+    p.add_argument(
+        "--iterations", type=int, default=30, help="iterations per run (default %(default)s)"
+    )
+    p.add_argument(
+        "--kill-at", type=int, default=8, help="iteration of the rank crash (default %(default)s)"
+    )
+    p.add_argument(
+        "--node-loss-at",
+        type=int,
+        default=18,
+        help="iteration of the node loss (default %(default)s)",
+    )
     p.set_defaults(func=run_demo)
     return p
 
@@ -91,26 +102,41 @@ def _report(
     t = Table(title="baft demo: 4 ranks (dp=2 x pp=2, 1F1B), xor:2 parity over 2 simulated nodes")
     t.add_column("what")
     t.add_column("value", justify="right")
-    t.add_row("final loss (reference / protected)", f"{ref_s['final_loss']:.4f} / {ft_s['final_loss']:.4f}")
+    t.add_row(
+        "final loss (reference / protected)",
+        f"{ref_s['final_loss']:.4f} / {ft_s['final_loss']:.4f}",
+    )
     t.add_row("loss log identical", "[green]yes" if same_losses else "[red]NO")
-    t.add_row("final model+optimizer state bit-identical", "[green]yes" if same_state else "[red]NO")
+    t.add_row(
+        "final model+optimizer state bit-identical", "[green]yes" if same_state else "[red]NO"
+    )
     t.add_row("iterations checkpointed", f"{len(ckpt)} of {len(ft_m)}")
     if ckpt:
         bubble = statistics.median(m["in_bubble_s"] for m in ckpt)
         exposed = statistics.median(m["exposed_s"] for m in ckpt)
-        t.add_row("checkpoint work in bubbles / exposed (median per iteration)", f"{bubble * 1e3:.2f} ms / {exposed * 1e3:.2f} ms")
+        t.add_row(
+            "checkpoint work in bubbles / exposed (median per iteration)",
+            f"{bubble * 1e3:.2f} ms / {exposed * 1e3:.2f} ms",
+        )
         t.add_row("bytes snapshotted per iteration (rank 0)", f"{ckpt[-1]['bytes']['snapshot']:,}")
     ref_it = statistics.median(m["iter_s"] for m in ref_m[3:])
     ft_it = statistics.median(m["iter_s"] for m in ckpt) if ckpt else float("nan")
-    t.add_row("median iteration (reference / protected, separate runs)", f"{ref_it * 1e3:.1f} ms / {ft_it * 1e3:.1f} ms")
+    t.add_row(
+        "median iteration (reference / protected, separate runs)",
+        f"{ref_it * 1e3:.1f} ms / {ft_it * 1e3:.1f} ms",
+    )
     console.print(t)
     rt = Table(title="recoveries")
     for col in ("restored", "lost iters", "shard sources", "seconds by phase"):
         rt.add_column(col)
     for r in ft_s.get("recoveries", []):
-        srcs = ", ".join(f"r{k}:{v}" for k, v in sorted(r.get("sources", {}).items())) or r["source"]
+        srcs = (
+            ", ".join(f"r{k}:{v}" for k, v in sorted(r.get("sources", {}).items())) or r["source"]
+        )
         secs = "  ".join(f"{k} {v:.2f}" for k, v in r["seconds"].items())
-        rt.add_row(f"v{r['restored_version']} ({r['source']})", str(r["lost_iterations"]), srcs, secs)
+        rt.add_row(
+            f"v{r['restored_version']} ({r['source']})", str(r["lost_iterations"]), srcs, secs
+        )
     console.print(rt)
     try:
         from baft.profile.timeline import read_timelines
@@ -119,7 +145,9 @@ def _report(
         records = read_timelines(out / "protected")
         png = timeline_png(records, out / "protected" / "timeline.png")
         (out / "protected" / "trace.json").write_text(json.dumps(chrome_trace(records)))
-        console.print(f"timeline picture: {png}\nPerfetto trace: {out / 'protected' / 'trace.json'}")
+        console.print(
+            f"timeline picture: {png}\nPerfetto trace: {out / 'protected' / 'trace.json'}"
+        )
     except Exception as e:  # noqa: BLE001 - the picture is a bonus, not the verdict
         console.print(f"[yellow]timeline picture skipped: {e}")
     ok = same_losses and same_state and len(ft_s.get("recoveries", [])) == 2

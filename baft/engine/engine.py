@@ -101,7 +101,11 @@ class CheckpointEngine:
         coding_groups(self.topology, self.redundancy)  # validates the layout early
         self.transport: Transport = transport or GlooTransport(ck.timeout_s)
         self.store = SnapshotStore(
-            Path(ck.store_root), ck.job_id, self.topology.node_of(self.rank), self.rank, ck.budget_bytes
+            Path(ck.store_root),
+            ck.job_id,
+            self.topology.node_of(self.rank),
+            self.rank,
+            ck.budget_bytes,
         )
         trainer.init_optimizer_state()
         c = mesh.coords
@@ -239,7 +243,9 @@ class CheckpointEngine:
                 start = timeline.now()
                 v.naive_thread.join()
                 v.exposed_s += timeline.now() - start
-                timeline.add("snapshot-join", "ckpt", start, timeline.now(), slot="pre_step", exposed=True)
+                timeline.add(
+                    "snapshot-join", "ckpt", start, timeline.now(), slot="pre_step", exposed=True
+                )
             for task, pieces in self._all_tasks:
                 if task.chunk_id not in v.done:
                     self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
@@ -256,7 +262,9 @@ class CheckpointEngine:
             self._complete(v, iteration)
             end = timeline.now()
             v.exposed_s += end - start
-            timeline.add("protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded)
+            timeline.add(
+                "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
+            )
             self._post_commit(v.version)
             self.last_metrics = self._metrics(v)
             self._cur = None
@@ -319,7 +327,13 @@ class CheckpointEngine:
         if timeline is not None:
             end = timeline.now()
             timeline.add(
-                "snapshot", "ckpt", end - elapsed, end, slot=slot_id, bytes=task.nbytes, exposed=exposed
+                "snapshot",
+                "ckpt",
+                end - elapsed,
+                end,
+                slot=slot_id,
+                bytes=task.nbytes,
+                exposed=exposed,
             )
 
     def _run_all(self, v: _Version) -> None:
@@ -387,7 +401,9 @@ class CheckpointEngine:
         if self._persist is not None:
             self._persist[1].wait()
         slot = next(
-            s for s in (0, 1) if (m := self.store.read_manifest(s)) is not None and m.version == version
+            s
+            for s in (0, 1)
+            if (m := self.store.read_manifest(s)) is not None and m.version == version
         )
         state = self._persist_state(slot)
         meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
@@ -472,4 +488,3 @@ def _layout_from_json(d: dict[str, Any]) -> StateLayout:
         replicas=tuple(d["replicas"]),
         tensors=tuple(TensorSpec(name=n, nbytes=b) for n, b in d["tensors"]),
     )
-

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from baft.engine.transport import Handle, Transport
@@ -49,11 +48,19 @@ class RedundancyExchange:
                     n = min(piece_bytes, t.nbytes - off)
                     pieces.append(
                         _Piece(
-                            len(pieces), t.src_rank, t.dst_rank, t.src_offset + off, n,
-                            t.dst_region_id, t.input_index, off,
+                            len(pieces),
+                            t.src_rank,
+                            t.dst_rank,
+                            t.src_offset + off,
+                            n,
+                            t.dst_region_id,
+                            t.input_index,
+                            off,
                         )
                     )
-        self.sends = sorted((p for p in pieces if p.src == rank), key=lambda p: p.src_offset + p.nbytes)
+        self.sends = sorted(
+            (p for p in pieces if p.src == rank), key=lambda p: p.src_offset + p.nbytes
+        )
         self.recvs = [p for p in pieces if p.dst == rank]
         self.regions: dict[int, Region] = (
             {r.region_id: r for r in layout.regions(rank)} if layout is not None else {}
@@ -129,5 +136,3 @@ class RedundancyExchange:
                 self.layout.encode(r.region_id, inputs, out=red_np[r.offset : r.offset + r.nbytes])
                 encoded += sum(s.nbytes for s in r.sources)
         return encoded
-
-

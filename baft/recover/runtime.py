@@ -223,9 +223,9 @@ def _rebuild_shard(
             full[t.offset : t.offset + t.nbytes] = received[tag]
         else:
             region = decode.layout.region(t.region_id)
-            buf = regions.setdefault(t.region_id, np.zeros(region.nbytes, np.uint8))
+            rbuf = regions.setdefault(t.region_id, np.zeros(region.nbytes, np.uint8))
             start = t.offset - region.offset
-            buf[start : start + t.nbytes] = received[tag]
+            rbuf[start : start + t.nbytes] = received[tag]
     try:
         return decode.layout.rebuild(rank, shards, regions, recipe=decode.recipe)
     except Exception as e:  # noqa: BLE001 - re-raised with context

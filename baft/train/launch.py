@@ -56,7 +56,13 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "summary.json", "recoveries.jsonl", "faults.jsonl", "plan_input.json"):
+    for name in (
+        "metrics.jsonl",
+        "summary.json",
+        "recoveries.jsonl",
+        "faults.jsonl",
+        "plan_input.json",
+    ):
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "timeline", ignore_errors=True)
     ck = cfg.checkpoint

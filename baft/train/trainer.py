@@ -93,11 +93,11 @@ class Trainer:
 
     def _build_module(self, stage: int) -> nn.Module:
         par = self.cfg.parallel
-        module = build_stage_module(self.cfg.model, stage, par.num_stages, self.cfg.seed)
+        module: nn.Module = build_stage_module(self.cfg.model, stage, par.num_stages, self.cfg.seed)
         if par.num_tp > 1:
             plan: dict[str, Any] = {n: ColwiseParallel() for n in TP_PLAN_COLWISE}
             plan.update({n: RowwiseParallel() for n in TP_PLAN_ROWWISE})
-            for block in module.layers.values():  # type: ignore[union-attr]
+            for block in module.layers.values():  # type: ignore[union-attr,operator]
                 parallelize_module(block, self.mesh.tp_mesh, plan)
         if self.cfg.compute == "emulated":
             from baft.model.emulated import wrap_emulated

@@ -60,7 +60,9 @@ def test_kill_and_node_loss_recover_bit_exactly(tmp_path: Path) -> None:
     assert node["lost_iterations"] == 8 - node["restored_version"]
     assert node["sources"] == {"0": "local", "1": "local", "2": "parity", "3": "parity"}
     for r in recoveries:
-        assert {"rendezvous", "inventory", "transfer_decode", "load", "first_iteration"} <= set(r["seconds"])
+        assert {"rendezvous", "inventory", "transfer_decode", "load", "first_iteration"} <= set(
+            r["seconds"]
+        )
     # every iteration after profiling committed its version
     committed = [m.get("committed_version") for m in ref["metrics"]]
     assert committed[-1] == 10

@@ -80,7 +80,9 @@ def test_dcp_is_plain_loadable_and_power_loss_falls_back_to_it(tmp_path: Path) -
                 assert got == raw, name
                 compared += 1
         # every model and optimizer tensor of both stages was compared exactly once per stage
-        num_params = len(list(GPTStage(TINY_MODEL, 0, 4, has_embed=True, has_head=True).parameters()))
+        num_params = len(
+            list(GPTStage(TINY_MODEL, 0, 4, has_embed=True, has_head=True).parameters())
+        )
         assert compared == 4 * num_params
 
         failed = run_job(_config(tmp_path / "power", store, ["power:iter=7"], persist_every=2))

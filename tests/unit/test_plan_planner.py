@@ -229,16 +229,16 @@ def test_owner_boundaries_snap_to_tensor_boundaries() -> None:
 
     lay = StateLayout(
         rank=0,
-        tensors=tuple(TensorSpec(name=f"t{i}", nbytes=n) for i, n in enumerate([400, 100, 300, 200])),
+        tensors=tuple(
+            TensorSpec(name=f"t{i}", nbytes=n) for i, n in enumerate([400, 100, 300, 200])
+        ),
         replicas=(0, 1, 2),
     )
     # cuts at 330 and 660 move to the nearest tensor edges 400 and 800
     assert snap_to_tensors([330, 330, 340], lay) == [400, 400, 200]
     assert sum(snap_to_tensors([1000, 0, 0], lay)) == 1000
     bubbles = {r: bubble(r, [1.0, 1.0]) for r in (0, 1)}
-    layouts = {
-        r: StateLayout(rank=r, tensors=lay.tensors, replicas=(0, 1)) for r in (0, 1)
-    }
+    layouts = {r: StateLayout(rank=r, tensors=lay.tensors, replicas=(0, 1)) for r in (0, 1)}
     p = plan(bubbles, layouts, UNIT, CheckpointPolicy(max_chunk_bytes=MiB, min_chunk_bytes=64))
     edges = {0, 400, 500, 800, 1000}
     assert p.ranks[0].owned_stop in edges and p.ranks[1].owned_start == p.ranks[0].owned_stop
