@@ -1,0 +1,23 @@
+"""baft: bubble-aware fault tolerance for hybrid-parallel PyTorch training.
+
+``baft.protect`` wraps your own pipeline schedule, stages and optimizer; ``baft`` on the
+command line trains, demonstrates, plans, simulates, benchmarks, inspects and traces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CheckpointConfig", "protect"]
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch.distributed
+    if name == "protect":
+        from baft.api import protect
+
+        return protect
+    if name == "CheckpointConfig":
+        from baft.config import CheckpointConfig
+
+        return CheckpointConfig
+    raise AttributeError(name)

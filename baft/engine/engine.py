@@ -50,7 +50,7 @@ from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layo
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
 from baft.store.shm import SnapshotStore
 from baft.train.mesh import Mesh
-from baft.train.trainer import Trainer
+from baft.train.trainer import StepRunner
 
 PLAN_INPUT_FILE = "plan_input.json"
 
@@ -80,7 +80,7 @@ class CheckpointEngine:
         self,
         cfg: TrainConfig,
         mesh: Mesh,
-        trainer: Trainer,
+        trainer: StepRunner,
         *,
         injector: Any = None,
         naive: bool = False,

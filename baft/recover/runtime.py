@@ -33,7 +33,7 @@ from baft.engine.persister import list_versions, load_version
 from baft.recover.coordinator import RecoveryPlan, coordinate
 from baft.store.manifest import RankInventory
 from baft.train.mesh import Mesh
-from baft.train.trainer import Trainer
+from baft.train.trainer import StepRunner
 
 
 class RestoreError(RuntimeError):
@@ -70,6 +70,12 @@ class RecoveryReport:
 
 def _completed_iterations(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
+    progress = run_dir / "progress.json"  # written by baft.api users' loops
+    if not path.exists() and progress.exists():
+        try:
+            return int(json.loads(progress.read_text())["iteration"]) + 1
+        except (json.JSONDecodeError, KeyError, ValueError):
+            return 0
     if not path.exists():
         return 0
     done = -1
@@ -102,7 +108,7 @@ def _make_injector(cfg: TrainConfig, mesh: Mesh) -> Any:
 
 
 def recover_and_start(
-    cfg: TrainConfig, mesh: Mesh, trainer: Trainer, *, t_launch: float, t_rdzv: float
+    cfg: TrainConfig, mesh: Mesh, trainer: StepRunner, *, t_launch: float, t_rdzv: float
 ) -> tuple[CheckpointEngine, int]:
     """Build the engine, restore the newest recoverable version, return (engine, resume)."""
     ck = cfg.checkpoint
@@ -160,7 +166,8 @@ def recover_and_start(
     )
     if fault_times:
         report.phase("detect_restart", t_launch - max(fault_times))
-    report.phase("rendezvous", t_rdzv - t_launch)
+    if t_rdzv > t_launch:
+        report.phase("rendezvous", t_rdzv - t_launch)
     report.phase("inventory", t_inventory)
     report.phase("transfer_decode", t_transfer)
     report.phase("load", t_load)

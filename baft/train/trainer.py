@@ -65,65 +65,59 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class Trainer:
-    """One rank's share of the model and the step that trains it."""
+class StepRunner:
+    """Runs protected training steps over given stages, schedule and optimizer.
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, hooks: StepHooks | None = None) -> None:
-        self.cfg = cfg
+    The part of a training loop baft needs to own: the pipeline step with slots, the DP
+    gradient all-reduce (itself a slot), the pre-step window and the optimizer step, with
+    the checkpoint hooks in between. :class:`Trainer` builds everything from a config;
+    ``baft.api.protect`` wraps a user's own schedule, stages and optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        mesh: Mesh,
+        modules: list[nn.Module],
+        stages: list[PipelineStage],
+        schedule: Any,
+        optimizer: torch.optim.Optimizer,
+        num_dp: int,
+        num_tp: int,
+        instrument: bool = True,
+        hooks: StepHooks | None = None,
+    ) -> None:
         self.mesh = mesh
+        self.modules = modules
+        self.stages = stages
+        self.optimizer = optimizer
+        self.num_dp = num_dp
+        self.num_tp = num_tp
         self.hooks = hooks
-        par = cfg.parallel
-        self.stage_ids = stage_indices(par.schedule, mesh.coords.pp, par.num_pp, par.num_virtual)
-        self.modules: list[nn.Module] = [self._build_module(i) for i in self.stage_ids]
-        self.stages = [
-            PipelineStage(m, i, par.num_stages, mesh.device, group=mesh.pp_group)
-            for m, i in zip(self.modules, self.stage_ids, strict=True)
-        ]
-        schedule = build_schedule(par.schedule, self.stages, par.num_microbatches, loss_fn)
         self.protected = ProtectedSchedule(
-            schedule, self.stages, on_slot=self._on_slot, instrument=cfg.instrument
+            schedule, stages, on_slot=self._on_slot, instrument=instrument
         )
-        self.params = [p for m in self.modules for p in m.parameters()]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False
-        )
-        self.data = ByteDataSource(
-            seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
-        )
-
-    def _build_module(self, stage: int) -> nn.Module:
-        par = self.cfg.parallel
-        module: nn.Module = build_stage_module(self.cfg.model, stage, par.num_stages, self.cfg.seed)
-        if par.num_tp > 1:
-            plan: dict[str, Any] = {n: ColwiseParallel() for n in TP_PLAN_COLWISE}
-            plan.update({n: RowwiseParallel() for n in TP_PLAN_ROWWISE})
-            for block in module.layers.values():  # type: ignore[union-attr,operator]
-                parallelize_module(block, self.mesh.tp_mesh, plan)
-        if self.cfg.compute == "emulated":
-            from baft.model.emulated import wrap_emulated
-
-            times = self.cfg.emulated_times or {}
-            module = wrap_emulated(module, times["fwd"][stage], times["bwd"][stage])
-        return module.to(self.mesh.device)
+        self.params = [p for m in modules for p in m.parameters()]
 
     def _on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.hooks is not None:
             self.hooks.on_slot(slot_id, kind, timeline)
 
     # ---------------------------------------------------------------- the step
-    def train_step(self, iteration: int) -> StepResult:
-        """Run iteration ``iteration`` (0-based): forward/backward, DP all-reduce, AdamW."""
+    def run_step(
+        self,
+        iteration: int,
+        inputs: torch.Tensor | None,
+        target: torch.Tensor | None,
+    ) -> StepResult:
+        """Forward/backward of every microbatch, DP all-reduce, optimizer step, with hooks."""
         tl = IterationTimeline(iteration, self.mesh.rank)
-        c = self.mesh.coords
-        self.data.position = iteration
-        x, y = self.data.next_batch(c.dp, self.cfg.parallel.num_dp)
-        x, y = x.to(self.mesh.device), y.to(self.mesh.device)
         self.optimizer.zero_grad(set_to_none=True)
         if self.hooks is not None:
             self.hooks.before_iteration(iteration, tl)
         losses: list[torch.Tensor] = []
-        self.protected.step(tl, x, y, losses)
-        if self.cfg.parallel.num_dp > 1:
+        self.protected.step(tl, inputs, target, losses)
+        if self.num_dp > 1:
             self._allreduce_grads(tl)
         self.protected.slot(tl, "pre_step", "pre_step", lambda: None)
         if self.hooks is not None:
@@ -143,7 +137,7 @@ class Trainer:
         work = dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True)
         assert work is not None
         self.protected.slot(tl, "dp_allreduce", "collective", work.wait)
-        flat.div_(self.cfg.parallel.num_dp)
+        flat.div_(self.num_dp)
         offset = 0
         for g in grads:
             n = g.numel()
@@ -158,6 +152,11 @@ class Trainer:
         Makes the checkpointed layout fixed from iteration 0 and lets a restore load
         optimizer state into a fresh optimizer; the trajectory is unchanged.
         """
+        if not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            raise ValueError(
+                f"baft checkpoints Adam/AdamW state; got {type(self.optimizer).__name__}: "
+                "use torch.optim.AdamW or Adam"
+            )
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 state = self.optimizer.state[p]
@@ -194,7 +193,7 @@ class Trainer:
         mine: list[tuple[str, str]] = []
         if c.dp == 0:
             for name, t in self.named_state():
-                key = f"{name}@tp{c.tp}" if self.cfg.parallel.num_tp > 1 else name
+                key = f"{name}@tp{c.tp}" if self.num_tp > 1 else name
                 mine.append((key, hashlib.sha256(_tensor_bytes(t)).hexdigest()))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -202,3 +201,59 @@ class Trainer:
         for key, digest in sorted(kv for part in gathered for kv in part):
             h.update(f"{key}={digest}\n".encode())
         return h.hexdigest()
+
+
+class Trainer(StepRunner):
+    """One rank's share of the reference model, built from a config, and its data."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, hooks: StepHooks | None = None) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        par = cfg.parallel
+        self.stage_ids = stage_indices(par.schedule, mesh.coords.pp, par.num_pp, par.num_virtual)
+        modules = [self._build_module(i) for i in self.stage_ids]
+        stages = [
+            PipelineStage(m, i, par.num_stages, mesh.device, group=mesh.pp_group)
+            for m, i in zip(modules, self.stage_ids, strict=True)
+        ]
+        schedule = build_schedule(par.schedule, stages, par.num_microbatches, loss_fn)
+        params = [p for m in modules for p in m.parameters()]
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False
+        )
+        super().__init__(
+            mesh=mesh,
+            modules=modules,
+            stages=stages,
+            schedule=schedule,
+            optimizer=optimizer,
+            num_dp=par.num_dp,
+            num_tp=par.num_tp,
+            instrument=cfg.instrument,
+            hooks=hooks,
+        )
+        self.data = ByteDataSource(
+            seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, seed=cfg.seed
+        )
+
+    def _build_module(self, stage: int) -> nn.Module:
+        par = self.cfg.parallel
+        module: nn.Module = build_stage_module(self.cfg.model, stage, par.num_stages, self.cfg.seed)
+        if par.num_tp > 1:
+            plan: dict[str, Any] = {n: ColwiseParallel() for n in TP_PLAN_COLWISE}
+            plan.update({n: RowwiseParallel() for n in TP_PLAN_ROWWISE})
+            for block in module.layers.values():  # type: ignore[union-attr,operator]
+                parallelize_module(block, self.mesh.tp_mesh, plan)
+        if self.cfg.compute == "emulated":
+            from baft.model.emulated import wrap_emulated
+
+            times = self.cfg.emulated_times or {}
+            module = wrap_emulated(module, times["fwd"][stage], times["bwd"][stage])
+        return module.to(self.mesh.device)
+
+    def train_step(self, iteration: int) -> StepResult:
+        """Run iteration ``iteration`` (0-based) on its batch of the bundled corpus."""
+        c = self.mesh.coords
+        self.data.position = iteration
+        x, y = self.data.next_batch(c.dp, self.cfg.parallel.num_dp)
+        return self.run_step(iteration, x.to(self.mesh.device), y.to(self.mesh.device))
