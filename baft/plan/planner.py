@@ -30,7 +30,7 @@ from baft.plan.types import (
     TaskKind,
 )
 
-__all__ = ["plan", "split_bytes"]
+__all__ = ["owned_ranges", "plan", "split_bytes"]
 
 Transfers = Mapping[int, Sequence[tuple[int, int]]]
 
@@ -96,6 +96,27 @@ def plan(
         lower_bound_s=bound,
         reason=reason,
     )
+
+
+def owned_ranges(
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+) -> dict[int, tuple[int, int]]:
+    """Each rank's owned byte range as ``plan`` splits it without transfers (no chunking):
+    the shard sizes to hand the coding module before planning its SEND traffic."""
+    validate_inputs(bubbles, layouts)
+    out: dict[int, tuple[int, int]] = {}
+    for group in replica_groups(layouts):
+        works = [_new_rank(bubbles[r], policy) for r in group]
+        caps = [_capacity_bytes(w, cost, policy) for w in works]
+        shares = split_bytes(layouts[group[0]].nbytes, caps, [0.0] * len(group), cost, policy)
+        start = 0
+        for r, share in zip(group, shares, strict=True):
+            out[r] = (start, start + share)
+            start += share
+    return out
 
 
 _Built = dict[int, tuple[_Rank, tuple[Chunk, ...], int, int]]
@@ -282,12 +303,16 @@ def _place_snapshots(
 
 
 def _snap_task(chunk_id: int, start: int, size: int, cost: CostModel) -> Task:
+    # same arithmetic as cost.seconds(SNAPSHOT, size), inlined: this runs per chunk
     return Task(
-        kind=TaskKind.SNAPSHOT,
-        chunk_id=chunk_id,
-        nbytes=size,
-        est_s=cost.seconds(TaskKind.SNAPSHOT, size),
-        offset=start,
+        TaskKind.SNAPSHOT,
+        chunk_id,
+        size,
+        cost.task_overhead_s + size / cost.copy_Bps,
+        None,
+        0,
+        0,
+        start,
     )
 
 

@@ -35,9 +35,13 @@ def summarize_tasks(tasks: Sequence[Task]) -> str:
     return ", ".join(parts)
 
 
-def _rank_rows(rp: RankPlan, bubble: BubbleMap) -> list[tuple[str, ...]]:
+def _rank_rows(rp: RankPlan, bubble: BubbleMap, max_slots: int | None) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
-    for slot in bubble.slots:
+    slots = bubble.slots
+    hidden = slots[max_slots:] if max_slots is not None and len(slots) > max_slots + 1 else ()
+    if hidden:
+        slots = slots[:max_slots]
+    for slot in slots:
         tasks = rp.tasks.get(slot.slot_id, ())
         used = sum(t.est_s for t in tasks)
         rows.append(
@@ -48,6 +52,18 @@ def _rank_rows(rp: RankPlan, bubble: BubbleMap) -> list[tuple[str, ...]]:
                 f"{used * 1e3:.3f}",
                 fmt_bytes(sum(t.nbytes for t in tasks)) if tasks else "",
                 summarize_tasks(tasks),
+            )
+        )
+    if hidden:
+        rest = [t for slot in hidden for t in rp.tasks.get(slot.slot_id, ())]
+        rows.append(
+            (
+                f"+{len(hidden)} more",
+                "",
+                f"{sum(s.idle_s for s in hidden) * 1e3:.3f}",
+                f"{sum(t.est_s for t in rest) * 1e3:.3f}",
+                fmt_bytes(sum(t.nbytes for t in rest)) if rest else "",
+                summarize_tasks(rest),
             )
         )
     spill_s = sum(t.est_s for t in rp.spilled)
@@ -68,8 +84,12 @@ def plan_table(
     plan: CheckpointPlan,
     bubbles: Mapping[int, BubbleMap],
     ranks: Iterable[int] | None = None,
+    *,
+    max_slots: int | None = 40,
 ) -> str:
-    """Text table of the plan: per rank, per slot idle ms, planned ms, bytes, tasks, spill."""
+    """Text table of the plan: per rank, per slot idle ms, planned ms, bytes, tasks, spill.
+
+    Ranks with more than ``max_slots`` slots get one summary row for the rest."""
     chosen = sorted(plan.ranks) if ranks is None else list(ranks)
     header = ("slot", "kind", "idle ms", "work ms", "bytes", "tasks")
     lines = [
@@ -78,7 +98,7 @@ def plan_table(
     ]
     for r in chosen:
         rp = plan.ranks[r]
-        rows = _rank_rows(rp, bubbles[r])
+        rows = _rank_rows(rp, bubbles[r], max_slots)
         widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(header)]
         owned = rp.owned_stop - rp.owned_start
         lines.append("")
@@ -145,13 +165,18 @@ def bubbles_to_dict(bubbles: Mapping[int, BubbleMap]) -> dict[str, Any]:
     }
 
 
-def bubble_table(bubbles: Mapping[int, BubbleMap], ranks: Iterable[int] | None = None) -> str:
-    """One line per rank: iteration, total idle and each slot's idle in ms."""
+def bubble_table(
+    bubbles: Mapping[int, BubbleMap], ranks: Iterable[int] | None = None, *, max_slots: int = 12
+) -> str:
+    """One line per rank: iteration, total idle and the first slots' idle in ms."""
     chosen = sorted(bubbles) if ranks is None else list(ranks)
     lines = []
     for r in chosen:
         b = bubbles[r]
-        slots = " ".join(f"{s.slot_id}={s.idle_s * 1e3:.2f}" for s in b.slots if s.idle_s > 0)
+        busy = [s for s in b.slots if s.idle_s > 0]
+        slots = " ".join(f"{s.slot_id}={s.idle_s * 1e3:.2f}" for s in busy[:max_slots])
+        if len(busy) > max_slots:
+            slots += f" ... (+{len(busy) - max_slots} more)"
         lines.append(
             f"rank {r}: iteration {b.iteration_s * 1e3:.1f} ms, idle {b.capacity_s() * 1e3:.1f} ms"
             f" in {sum(1 for s in b.slots if s.idle_s > 0)} slots: {slots or '(none)'}"
