@@ -15,8 +15,8 @@ demo: $(STAMP)
 	$(BIN)/baft demo
 
 check: $(STAMP)
-	$(BIN)/ruff check baft tests benchmarks
-	$(BIN)/ruff format --check baft tests benchmarks
+	$(BIN)/ruff check baft tests benchmarks examples
+	$(BIN)/ruff format --check baft tests benchmarks examples
 	$(BIN)/mypy baft
 
 test: check
@@ -26,8 +26,8 @@ test-all: check
 	$(BIN)/pytest -q -m ''
 
 format: $(STAMP)
-	$(BIN)/ruff format baft tests benchmarks
-	$(BIN)/ruff check --fix baft tests benchmarks
+	$(BIN)/ruff format baft tests benchmarks examples
+	$(BIN)/ruff check --fix baft tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
