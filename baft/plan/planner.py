@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from baft.plan.bounds import Exposure, level_split, lower_bound, replica_groups, validate_inputs
 from baft.plan.cost import CostModel, cut_sizes, slot_bytes, tail_bytes
+from baft.plan.render import ms, plan_reason
 from baft.plan.types import (
     BubbleMap,
     CheckpointPlan,
@@ -88,7 +89,7 @@ def plan(
     bound = lower_bound(
         bubbles, layouts, cost, policy, transfers=transfers, interval_iters=interval
     )
-    reason = _reason(ranks, bubbles, layouts, groups, policy, interval, exposed, bound, note)
+    reason = plan_reason(ranks, bubbles, layouts, groups, policy, interval, exposed, bound, note)
     return CheckpointPlan(
         ranks=ranks,
         interval_iters=interval,
@@ -439,89 +440,8 @@ def _stretch(
     interval = max(2, policy.every, math.ceil(worst / target - 1e-12))
     note = (
         f" (stretched from every {policy.every}: the bubbles cannot hold one checkpoint, "
-        f"so {_ms(worst)} of work per checkpoint is exposed; every {interval} iterations "
+        f"so {ms(worst)} of work per checkpoint is exposed; every {interval} iterations "
         f"keeps that at or below {policy.target_overhead:.1%} of the "
-        f"{_ms(iteration_s)} iteration)"
+        f"{ms(iteration_s)} iteration)"
     )
     return interval, built, note
-
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
-
-
-def fmt_bytes(n: int) -> str:
-    """Human-readable byte count (binary units)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024.0 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024.0
-    raise AssertionError("unreachable")
-
-
-def _rank_sentence(rp: RankPlan, bubble: BubbleMap) -> str:
-    tasks = [t for ts in rp.tasks.values() for t in ts] + list(rp.spilled)
-    snaps = [t for t in tasks if t.kind is TaskKind.SNAPSHOT]
-    sends = [t for t in tasks if t.kind is TaskKind.SEND]
-    spilled = sum(t.nbytes for t in rp.spilled)
-    idle_slots = sum(1 for s in bubble.slots if s.idle_s > 0.0)
-    text = (
-        f"rank {rp.rank} has {_ms(bubble.capacity_s())} of idle in {idle_slots} bubbles, "
-        f"snapshots {fmt_bytes(sum(t.nbytes for t in snaps))} in {len(snaps)} chunks"
-    )
-    if sends:
-        late = sum(1 for t in sends if t.lag)
-        text += (
-            f", sends {fmt_bytes(sum(t.nbytes for t in sends))} in {len(sends)} pieces "
-            f"({late} in the next iteration)"
-        )
-    return text + f", spills {fmt_bytes(spilled)}"
-
-
-def _reason(
-    ranks: Mapping[int, RankPlan],
-    bubbles: Mapping[int, BubbleMap],
-    layouts: Mapping[int, StateLayout],
-    groups: Sequence[tuple[int, ...]],
-    policy: CheckpointPolicy,
-    interval: int,
-    exposed: float,
-    bound: float,
-    note: str,
-) -> str:
-    """One paragraph: scale, interval, the busiest rank(s), prediction and caveats."""
-    if not ranks:
-        return "no ranks to plan."
-    total = sum(layouts[g[0]].nbytes for g in groups)
-    parts = [
-        f"{len(ranks)} ranks in {len(groups)} DP replica groups ({fmt_bytes(total)} of state "
-        f"in all); a checkpoint every {interval} iteration{'s' if interval > 1 else ''}{note}"
-    ]
-    if len(ranks) <= 4:
-        parts += [_rank_sentence(rp, bubbles[r]) for r, rp in ranks.items()]
-    else:
-        busiest = max(ranks.values(), key=lambda rp: (rp.exposed_s, -rp.rank))
-        parts.append("busiest " + _rank_sentence(busiest, bubbles[busiest.rank]))
-    parts.append(f"predicted exposed {_ms(exposed)} per iteration (lower bound {_ms(bound)})")
-    snap_total = sum(
-        t.nbytes for rp in ranks.values() for t in rp.spilled if t.kind is TaskKind.SNAPSHOT
-    )
-    if total and snap_total:
-        share = 1.0 - snap_total / total
-        hint = (
-            ""
-            if policy.on_overflow == "stretch"
-            else "; overflow=stretch lowers the frequency instead"
-        )
-        parts.append(
-            f"the bubbles hold only {share:.0%} of the snapshot work, the rest runs before "
-            f"the optimizer step{hint}"
-        )
-    if policy.persist_every:
-        parts.append(
-            f"every {policy.persist_every}th committed checkpoint is persisted in the "
-            "background (not planned per slot)"
-        )
-    return "; ".join(parts) + "."

@@ -10,10 +10,26 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from baft.plan.planner import fmt_bytes
-from baft.plan.types import BubbleMap, CheckpointPlan, RankPlan, Task
+from baft.plan.types import (
+    BubbleMap,
+    CheckpointPlan,
+    CheckpointPolicy,
+    RankPlan,
+    StateLayout,
+    Task,
+    TaskKind,
+)
 
-__all__ = ["bubbles_to_dict", "plan_table", "plan_to_dict", "summarize_tasks"]
+__all__ = [
+    "bubble_table",
+    "bubbles_to_dict",
+    "fmt_bytes",
+    "ms",
+    "plan_reason",
+    "plan_table",
+    "plan_to_dict",
+    "summarize_tasks",
+]
 
 
 def summarize_tasks(tasks: Sequence[Task]) -> str:
@@ -106,8 +122,7 @@ def plan_table(
             f"rank {r}: owns bytes {rp.owned_start}..{rp.owned_stop} ({fmt_bytes(owned)}, "
             f"{len(rp.owned)} chunks); exposed {rp.exposed_s * 1e3:.3f} ms/iter"
         )
-        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-        for row in rows:
+        for row in [header, *rows]:
             cells = [
                 c.rjust(w) if 2 <= k <= 4 else c.ljust(w)
                 for k, (c, w) in enumerate(zip(row, widths, strict=True))
@@ -182,3 +197,84 @@ def bubble_table(
             f" in {sum(1 for s in b.slots if s.idle_s > 0)} slots: {slots or '(none)'}"
         )
     return "\n".join(lines)
+
+
+def ms(seconds: float) -> str:
+    millis = seconds * 1e3
+    return f"{millis:.0f} ms" if millis >= 100 else f"{millis:.3g} ms"
+
+
+def fmt_bytes(n: int) -> str:
+    """Human-readable byte count (binary units)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024.0 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024.0
+    raise AssertionError("unreachable")
+
+
+def _rank_sentence(rp: RankPlan, bubble: BubbleMap) -> str:
+    tasks = [t for ts in rp.tasks.values() for t in ts] + list(rp.spilled)
+    snaps = [t for t in tasks if t.kind is TaskKind.SNAPSHOT]
+    sends = [t for t in tasks if t.kind is TaskKind.SEND]
+    spilled = sum(t.nbytes for t in rp.spilled)
+    idle_slots = sum(1 for s in bubble.slots if s.idle_s > 0.0)
+    text = (
+        f"rank {rp.rank} has {ms(bubble.capacity_s())} of idle in {idle_slots} bubbles, "
+        f"snapshots {fmt_bytes(sum(t.nbytes for t in snaps))} in {len(snaps)} chunks"
+    )
+    if sends:
+        late = sum(1 for t in sends if t.lag)
+        text += (
+            f", sends {fmt_bytes(sum(t.nbytes for t in sends))} in {len(sends)} pieces "
+            f"({late} in the next iteration)"
+        )
+    return text + f", spills {fmt_bytes(spilled)}"
+
+
+def plan_reason(
+    ranks: Mapping[int, RankPlan],
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    groups: Sequence[tuple[int, ...]],
+    policy: CheckpointPolicy,
+    interval: int,
+    exposed: float,
+    bound: float,
+    note: str,
+) -> str:
+    """One paragraph: scale, interval, the busiest rank(s), prediction and caveats."""
+    if not ranks:
+        return "no ranks to plan."
+    total = sum(layouts[g[0]].nbytes for g in groups)
+    parts = [
+        f"{len(ranks)} ranks in {len(groups)} DP replica groups ({fmt_bytes(total)} of state "
+        f"in all); a checkpoint every {interval} iteration{'s' if interval > 1 else ''}{note}"
+    ]
+    if len(ranks) <= 4:
+        parts += [_rank_sentence(rp, bubbles[r]) for r, rp in ranks.items()]
+    else:
+        busiest = max(ranks.values(), key=lambda rp: (rp.exposed_s, -rp.rank))
+        parts.append("busiest " + _rank_sentence(busiest, bubbles[busiest.rank]))
+    parts.append(f"predicted exposed {ms(exposed)} per iteration (lower bound {ms(bound)})")
+    snap_total = sum(
+        t.nbytes for rp in ranks.values() for t in rp.spilled if t.kind is TaskKind.SNAPSHOT
+    )
+    if total and snap_total:
+        share = 1.0 - snap_total / total
+        hint = (
+            ""
+            if policy.on_overflow == "stretch"
+            else "; overflow=stretch lowers the frequency instead"
+        )
+        parts.append(
+            f"the bubbles hold only {share:.0%} of the snapshot work, the rest runs before "
+            f"the optimizer step{hint}"
+        )
+    if policy.persist_every:
+        parts.append(
+            f"every {policy.persist_every}th committed checkpoint is persisted in the "
+            "background (not planned per slot)"
+        )
+    return "; ".join(parts) + "."

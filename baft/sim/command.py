@@ -126,16 +126,75 @@ def planned(
     scn: Scenario, policy: CheckpointPolicy, storage_Bps: float
 ) -> tuple[SimResult, dict, CheckpointPlan, dict]:
     """Base simulation, bubble maps, plan (with redundancy sends) and the transfers."""
-    topo = scn.topology
-    base = simulate(
-        scn.schedule, topo.num_pp, scn.num_microbatches, scn.times, num_virtual=scn.num_virtual
-    )
-    bubbles = base.bubble_maps(topo)
+    base = _sim(scn)
+    bubbles = base.bubble_maps(scn.topology)
     lays = layouts(scn)
     cost = _cost(scn, storage_Bps)
     shards = {r: b - a for r, (a, b) in owned_ranges(bubbles, lays, cost, policy).items()}
     transfers = _transfers(scn, policy, shards)
     return base, bubbles, make_plan(bubbles, lays, cost, policy, transfers or None), transfers
+
+
+def _sim(scn: Scenario, **kwargs: Any) -> SimResult:
+    topo = scn.topology
+    return simulate(
+        scn.schedule,
+        topo.num_pp,
+        scn.num_microbatches,
+        scn.times,
+        num_virtual=scn.num_virtual,
+        **kwargs,
+    )
+
+
+def _mode(
+    exposed: float, interval: int, lag: int, recover: float, it: float, mtbf_s: float, **extra: Any
+) -> dict[str, Any]:
+    """One row of the comparison; lost work = (interval/2 + commit lag) iterations + recovery."""
+    lost = (0.5 * interval + lag) * it + recover
+    return {
+        "exposed_s": exposed,
+        "exposed_fraction": exposed / it,
+        "interval_iters": interval,
+        "expected_lost_s": lost,
+        "recovery_s": recover,
+        "goodput_loss_fraction": exposed / it + lost / mtbf_s,
+        **extra,
+    }
+
+
+def _naive_background(
+    scn: Scenario, shard: dict[int, int], sent: dict[int, int]
+) -> dict[int, Background]:
+    """Naive async: per pipeline rank, copy then send from the start of the iteration."""
+    topo, hw = scn.topology, scn.hardware
+    out = {}
+    for pp in range(topo.num_pp):
+        ranks = [r for r in shard if topo.coords(r).pp == pp]
+        copy = max(shard[r] for r in ranks) / hw.d2h_Bps
+        send = max(sent[r] for r in ranks) / hw.nic_Bps
+        out[pp] = Background(
+            compute_until_s=copy,
+            compute_factor=1.0 + hw.d2h_Bps / hw.hbm_Bps,
+            link_until_s=copy + send,
+            link_factor=scn.times.p2p_contention,
+            done_by_step_s=copy,
+        )
+    return out
+
+
+def _layout_dict(scn: Scenario) -> dict[str, Any]:
+    topo = scn.topology
+    return {
+        "dp": topo.num_dp,
+        "pp": topo.num_pp,
+        "tp": topo.num_tp,
+        "schedule": scn.schedule,
+        "num_virtual": scn.num_virtual,
+        "microbatches": scn.num_microbatches,
+        "micro_batch_size": scn.micro_batch_size,
+        "global_batch_tokens": scn.global_batch_tokens,
+    }
 
 
 def evaluate(
@@ -149,100 +208,53 @@ def evaluate(
     """All numbers of ``baft simulate`` as one JSON-ready dict (pure)."""
     if mtbf_s <= 0 or storage_Bps <= 0 or restart_s < 0:
         raise ValueError("--mtbf-hours and --storage-gbps must be > 0, --restart-s >= 0")
-    topo, hw = scn.topology, scn.hardware
+    hw = scn.hardware
     base, bubbles, plan, transfers = planned(scn, policy, storage_Bps)
     it = base.base_iteration_s
-    replay = simulate(
-        scn.schedule,
-        topo.num_pp,
-        scn.num_microbatches,
-        scn.times,
-        num_virtual=scn.num_virtual,
-        plan=plan,
-        topology=topo,
-    )
+    replay = _sim(scn, plan=plan, topology=scn.topology)
     shard = {r: rp.owned_stop - rp.owned_start for r, rp in plan.ranks.items()}
     sent = {r: sum(n for _, n in transfers.get(r, ())) for r in plan.ranks}
     state_max = max(scn.state_bytes)
-    shard_max, sent_max = max(shard.values()), max(sent.values(), default=0)
-    copy_s = shard_max / hw.d2h_Bps
-    send_s = sent_max / hw.nic_Bps
+    copy_s = max(shard.values()) / hw.d2h_Bps
+    send_s = max(sent.values(), default=0) / hw.nic_Bps
     lagged = any(t.lag for rp in plan.ranks.values() for ts in rp.tasks.values() for t in ts)
     recover_mem = restart_s + state_max / hw.nic_Bps + state_max / hw.d2h_Bps
     recover_disk = restart_s + state_max / storage_Bps + state_max / hw.d2h_Bps
-
-    def mode(exposed: float, interval: int, lag: int, recover: float, **extra: Any) -> dict:
-        lost = (0.5 * interval + lag) * it + recover
-        return {
-            "exposed_s": exposed,
-            "exposed_fraction": exposed / it,
-            "interval_iters": interval,
-            "expected_lost_s": lost,
-            "recovery_s": recover,
-            "goodput_loss_fraction": exposed / it + lost / mtbf_s,
-            **extra,
-        }
-
-    bg = {}
-    for pp in range(topo.num_pp):
-        ranks = [r for r in plan.ranks if topo.coords(r).pp == pp]
-        c = max(shard[r] for r in ranks) / hw.d2h_Bps
-        s = max(sent[r] for r in ranks) / hw.nic_Bps
-        bg[pp] = Background(
-            compute_until_s=c,
-            compute_factor=1.0 + hw.d2h_Bps / hw.hbm_Bps,
-            link_until_s=c + s,
-            link_factor=scn.times.p2p_contention,
-            done_by_step_s=c,
-        )
-    naive = simulate(
-        scn.schedule,
-        topo.num_pp,
-        scn.num_microbatches,
-        scn.times,
-        num_virtual=scn.num_virtual,
-        background=bg,
-    )
+    naive = _sim(scn, background=_naive_background(scn, shard, sent))
     naive_lag = max(0, math.ceil((copy_s + send_s) / naive.iteration_s) - 1)
     sync_cost = max(shard[r] / hw.d2h_Bps + shard[r] / storage_Bps for r in shard)
     sync_n = max(1, round(math.sqrt(2.0 * sync_cost * mtbf_s) / it))
     modes = {
-        "baft": mode(
+        "baft": _mode(
             replay.exposed_s,
             plan.interval_iters,
             int(lagged),
             recover_mem,
+            it,
+            mtbf_s,
             predicted_exposed_s=plan.exposed_s,
             lower_bound_s=plan.lower_bound_s,
             reason=plan.reason,
         ),
-        "naive-async": mode(naive.exposed_s, policy.every, naive_lag, recover_mem),
-        "sync": mode(sync_cost / sync_n, sync_n, 0, recover_disk, checkpoint_s=sync_cost),
+        "naive-async": _mode(naive.exposed_s, policy.every, naive_lag, recover_mem, it, mtbf_s),
+        "sync": _mode(
+            sync_cost / sync_n, sync_n, 0, recover_disk, it, mtbf_s, checkpoint_s=sync_cost
+        ),
     }
-    capacity = min(b.capacity_s() for b in bubbles.values())
     return {
         "preset": scn.model.name,
         "hardware": hw.name,
-        "gpus": topo.world_size,
-        "layout": {
-            "dp": topo.num_dp,
-            "pp": topo.num_pp,
-            "tp": topo.num_tp,
-            "schedule": scn.schedule,
-            "num_virtual": scn.num_virtual,
-            "microbatches": scn.num_microbatches,
-            "micro_batch_size": scn.micro_batch_size,
-            "global_batch_tokens": scn.global_batch_tokens,
-        },
+        "gpus": scn.topology.world_size,
+        "layout": _layout_dict(scn),
         "iteration_s": it,
         "bubble_fraction": base.bubble_fraction,
         "checkpoint": {
             "state_bytes_per_gpu": state_max,
-            "snapshot_bytes_per_gpu": shard_max,
-            "send_bytes_per_gpu": sent_max,
+            "snapshot_bytes_per_gpu": max(shard.values()),
+            "send_bytes_per_gpu": max(sent.values(), default=0),
             "snapshot_s": copy_s,
             "send_s": send_s,
-            "min_idle_s_per_gpu": capacity,
+            "min_idle_s_per_gpu": min(b.capacity_s() for b in bubbles.values()),
         },
         "modes": modes,
         "assumptions": _assumptions(scn, policy, mtbf_s, storage_Bps, restart_s),

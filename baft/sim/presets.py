@@ -10,10 +10,11 @@ master, Adam m and v per parameter), plus ``StateLayout`` per global rank.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from baft.plan.types import StateLayout, TensorSpec
-from baft.sim.schedules import SCHEDULES, num_stages
+from baft.sim.schedules import SCHEDULES, num_stages, stage_rank
 from baft.sim.simulator import StageTimes
 from baft.topology import Topology
 
@@ -358,6 +359,57 @@ def _resolve_layout(
     return dp, pp, tp
 
 
+def _microbatches(
+    model: ModelPreset, schedule: str, pp: int, dp: int, mbs: int, given: int | None
+) -> tuple[int, list[str]]:
+    """Microbatches per iteration from the preset's global batch (or ``given``)."""
+    if given is not None:
+        return given, []
+    notes = []
+    m = max(1, model.global_batch_tokens // model.seq_len // (dp * mbs))
+    if schedule != "zbv" and m < pp:
+        notes.append(f"global batch raised so that microbatches ({pp}) >= pp")
+        m = pp
+    if schedule == "interleaved-1f1b" and m > pp and m % pp:
+        m -= m % pp
+    return m, notes
+
+
+def _stage_times(
+    model: ModelPreset,
+    hw: Hardware,
+    topo: Topology,
+    mbs: int,
+    stage_layers: tuple[tuple[int, ...], ...],
+    rank_stages: tuple[tuple[int, ...], ...],
+) -> StageTimes:
+    """F/B from 6 * params * tokens, p2p from activation bytes, exposed DP all-reduce."""
+    dp, pp, tp = topo.num_dp, topo.num_pp, topo.num_tp
+    total = len(stage_layers)
+    tokens_mb = mbs * model.seq_len
+    speed = hw.peak_bf16_flops * hw.mfu
+    fwd = []
+    for s, layers in enumerate(stage_layers):
+        matmul = len(layers) * model.layer_params() + (model.head_params() if s == total - 1 else 0)
+        fwd.append(2.0 * matmul * tokens_mb / tp / speed)
+    rank_params = [
+        sum(n for s in stages for _, n in _stage_tensors(model, s, total, stage_layers[s])) / tp
+        for stages in rank_stages
+    ]
+    layers_per_rank = sum(len(stage_layers[s]) for s in rank_stages[0])
+    ring = 2.0 * (dp - 1) / dp * 2.0 * max(rank_params) / hw.nic_Bps if dp > 1 else 0.0
+    act_bytes = mbs * model.seq_len * model.hidden * 2 / tp
+    return StageTimes(
+        forward_s=tuple(fwd),
+        backward_s=tuple(2.0 * f for f in fwd),
+        weight_fraction=0.5,
+        p2p_s=act_bytes / hw.nic_Bps + P2P_LATENCY_S if pp > 1 else 0.0,
+        dp_allreduce_s=ring / layers_per_rank,
+        optimizer_s=OPTIMIZER_BYTES_PER_PARAM * max(rank_params) / hw.hbm_Bps,
+        p2p_contention=2.0,
+    )
+
+
 def build_scenario(
     model_name: str,
     hardware_name: str,
@@ -381,57 +433,20 @@ def build_scenario(
         raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     model, hw = MODELS[model_name], HARDWARE[hardware_name]
     if mfu is not None:
-        hw = Hardware(**{**{k: getattr(hw, k) for k in Hardware.__slots__}, "mfu": mfu})
+        hw = dataclasses.replace(hw, mfu=mfu)
     dp, pp, tp = _resolve_layout(model, hw, gpus, dp, pp, tp)
     v = 2 if schedule == "zbv" else num_virtual
-    total_stages = num_stages(schedule, pp, v)
-    if model.num_layers % total_stages:
+    total = num_stages(schedule, pp, v)
+    if model.num_layers % total:
         raise ValueError(
-            f"{model.num_layers} layers do not split evenly over {total_stages} stages "
+            f"{model.num_layers} layers do not split evenly over {total} stages "
             f"(pp={pp} x {v} per rank): pick --pp (and --virtual) dividing {model.num_layers}"
         )
-    notes: list[str] = []
-    seqs = model.global_batch_tokens // model.seq_len
-    m = num_microbatches or max(1, seqs // (dp * micro_batch_size))
-    if num_microbatches is None:
-        if schedule != "zbv" and m < pp:
-            notes.append(f"global batch raised so that microbatches ({pp}) >= pp")
-            m = pp
-        if schedule == "interleaved-1f1b" and m > pp and m % pp:
-            m -= m % pp
-    tokens_mb = micro_batch_size * model.seq_len
-    per = model.num_layers // total_stages
-    stage_layers = tuple(tuple(range(s * per, (s + 1) * per)) for s in range(total_stages))
-    from baft.sim.schedules import stage_rank
-
+    m, notes = _microbatches(model, schedule, pp, dp, micro_batch_size, num_microbatches)
+    per = model.num_layers // total
+    stage_layers = tuple(tuple(range(s * per, (s + 1) * per)) for s in range(total))
     owner = stage_rank(schedule, pp, v)
-    rank_stages = tuple(tuple(s for s in range(total_stages) if owner[s] == r) for r in range(pp))
-    speed = hw.peak_bf16_flops * hw.mfu
-    fwd = []
-    for s in range(total_stages):
-        matmul = per * model.layer_params() + (model.head_params() if s == total_stages - 1 else 0)
-        fwd.append(2.0 * matmul * tokens_mb / tp / speed)
-    act_bytes = micro_batch_size * model.seq_len * model.hidden * 2 / tp
-    rank_params = [
-        sum(
-            n
-            for s in rank_stages[r]
-            for _, n in _stage_tensors(model, s, total_stages, stage_layers[s])
-        )
-        / tp
-        for r in range(pp)
-    ]
-    layers_per_rank = per * len(rank_stages[0])
-    ring = 2.0 * (dp - 1) / dp * 2.0 * max(rank_params) / hw.nic_Bps if dp > 1 else 0.0
-    times = StageTimes(
-        forward_s=tuple(fwd),
-        backward_s=tuple(2.0 * f for f in fwd),
-        weight_fraction=0.5,
-        p2p_s=act_bytes / hw.nic_Bps + P2P_LATENCY_S if pp > 1 else 0.0,
-        dp_allreduce_s=ring / layers_per_rank,
-        optimizer_s=OPTIMIZER_BYTES_PER_PARAM * max(rank_params) / hw.hbm_Bps,
-        p2p_contention=2.0,
-    )
+    rank_stages = tuple(tuple(s for s in range(total) if owner[s] == r) for r in range(pp))
     topo = Topology(num_pp=pp, num_dp=dp, num_tp=tp, ranks_per_node=min(hw.gpus_per_node, gpus))
     scn = Scenario(
         model=model,
@@ -441,8 +456,8 @@ def build_scenario(
         num_virtual=v,
         num_microbatches=m,
         micro_batch_size=micro_batch_size,
-        global_batch_tokens=m * dp * tokens_mb,
-        times=times,
+        global_batch_tokens=m * dp * micro_batch_size * model.seq_len,
+        times=_stage_times(model, hw, topo, micro_batch_size, stage_layers, rank_stages),
         stage_layers=stage_layers,
         rank_stages=rank_stages,
         state_bytes=(),
@@ -454,18 +469,4 @@ def build_scenario(
             f"{max(state) / 1e9:.1f} GB of weights + optimizer state per GPU exceeds 80% of "
             f"HBM ({hw.hbm_bytes / 1e9:.0f} GB): this layout needs optimizer sharding, not modelled"
         )
-    return Scenario(
-        model=model,
-        hardware=hw,
-        topology=topo,
-        schedule=schedule,
-        num_virtual=v,
-        num_microbatches=m,
-        micro_batch_size=micro_batch_size,
-        global_batch_tokens=m * dp * tokens_mb,
-        times=times,
-        stage_layers=stage_layers,
-        rank_stages=rank_stages,
-        state_bytes=state,
-        notes=tuple(notes),
-    )
+    return dataclasses.replace(scn, state_bytes=state, notes=tuple(notes))

@@ -164,6 +164,16 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def _arrival(
+    sent: float, times: StageTimes, links: tuple[Background, ...], busy0: float, busy1: float
+) -> float:
+    """When a transfer leaving at ``sent`` arrives: slowed by either end's background load,
+    and by ``p2p_contention`` while the receiver runs checkpoint work in [busy0, busy1]."""
+    link = max(_stretch(sent, times.p2p_s, b.link_until_s, b.link_factor) for b in links)
+    share = _overlap(busy0, busy1, sent, sent + link)
+    return sent + link + share * (times.p2p_contention - 1.0)
+
+
 def _key(a: Action) -> tuple[str, int, int]:
     return ("W" if a.kind == "W" else "F" if a.kind == "F" else "G", a.stage, a.mb)
 
@@ -213,17 +223,12 @@ def _run_pipeline(
             work = slot_work.get((r, idx), 0.0)
             ready = 0.0
             for d in deps:
-                arrive = done[d]
                 src = ranks_of[d[1]]
-                if src != r and times.p2p_s > 0.0:
-                    other = background.get(src, idle)
-                    link = max(
-                        _stretch(arrive, times.p2p_s, bg.link_until_s, bg.link_factor),
-                        _stretch(arrive, times.p2p_s, other.link_until_s, other.link_factor),
-                    )
-                    share = _overlap(t_free, t_free + work, arrive, arrive + link)
-                    arrive += link + share * (times.p2p_contention - 1.0)
-                ready = max(ready, arrive)
+                if src == r or times.p2p_s <= 0.0:
+                    ready = max(ready, done[d])
+                    continue
+                links = (bg, background.get(src, idle))
+                ready = max(ready, _arrival(done[d], times, links, t_free, t_free + work))
             start = max(ready, t_free + work)
             if work > 0.0:
                 run.timeline[r].append(Interval(t_free, t_free + work, "ckpt", f"slot@{a}"))
@@ -410,6 +415,31 @@ def _iteration(
     return barrier + times.optimizer_s, timeline, runs[0], marks
 
 
+def _replay(
+    plan: CheckpointPlan,
+    topo: Topology,
+    where: Mapping[int, Mapping[str, int]],
+    base_s: float,
+    orders: Mapping[int, tuple[Action, ...]],
+    ranks_of: tuple[int, ...],
+    times: StageTimes,
+    durations: Mapping[str, tuple[float, ...]],
+) -> tuple[float, float, dict[int, tuple[Interval, ...]]]:
+    """(mean iteration over the plan's interval, slowest iteration, its timeline)."""
+    if topo.world_size < max(plan.ranks, default=0) + 1:
+        raise ValueError("plan names ranks outside the topology: pass topology=")
+    n = plan.interval_iters
+    phases = [(0, 1)] if n == 1 else [(0,), (1,)]
+    results = [
+        _iteration(
+            orders, ranks_of, times, durations, _loads(plan, topo, where, lags), topo.num_dp, {}
+        )
+        for lags in phases
+    ]
+    mean = (sum(res[0] for res in results) + (n - len(results)) * base_s) / n
+    return mean, max(res[0] for res in results), results[0][1]
+
+
 def simulate(
     schedule: str,
     num_stages_pp: int,
@@ -439,25 +469,9 @@ def simulate(
     if plan is not None:
         if background:
             raise ValueError("pass either plan= or background=, not both")
-        if topo.world_size < max(plan.ranks, default=0) + 1:
-            raise ValueError("plan names ranks outside the topology: pass topology=")
-        n = plan.interval_iters
-        phases = [(0, 1)] if n == 1 else [(0,), (1,)]
-        results = [
-            _iteration(
-                orders,
-                ranks_of,
-                times,
-                durations,
-                _loads(plan, topo, where, lags),
-                topo.num_dp,
-                background or {},
-            )
-            for lags in phases
-        ]
-        timeline = results[0][1]
-        worst_s = max(res[0] for res in results)
-        it_s = (sum(res[0] for res in results) + (n - len(results)) * base_s) / n
+        it_s, worst_s, timeline = _replay(
+            plan, topo, where, base_s, orders, ranks_of, times, durations
+        )
     fractions = []
     blocked = {}
     for r, ss in slots.items():

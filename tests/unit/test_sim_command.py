@@ -40,7 +40,7 @@ def test_simulate_json_acceptance(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(120)
 def test_zero_bubble_schedule_spills_or_stretches() -> None:
-    scn = build_scenario("llama2-34b", "h100", 64, schedule="zbv")
+    scn = build_scenario("llama2-7b", "h100", 64, schedule="zbv")
     kw = {"mtbf_s": 6 * 3600.0, "storage_Bps": 0.5e9, "restart_s": 60.0}
     spill = evaluate(scn, CheckpointPolicy(), **kw)["modes"]["baft"]
     assert spill["interval_iters"] == 1 and spill["predicted_exposed_s"] > 0.0
