@@ -22,6 +22,7 @@ from baft.plan.types import BubbleMap, CheckpointPolicy, StateLayout, TaskKind
 __all__ = [
     "Exposure",
     "exact_exposed",
+    "groups_lower_bound",
     "level_split",
     "lower_bound",
     "replica_groups",
@@ -35,8 +36,9 @@ def validate_inputs(
     bubbles: Mapping[int, BubbleMap],
     layouts: Mapping[int, StateLayout],
     transfers: Transfers | None = None,
-) -> None:
-    """Raise ``ValueError`` with the fix when bubbles, layouts and transfers disagree."""
+) -> list[tuple[int, ...]]:
+    """Raise ``ValueError`` with the fix when bubbles, layouts and transfers disagree;
+    return the replica groups."""
     missing = sorted(set(layouts) ^ set(bubbles))
     if missing:
         raise ValueError(
@@ -56,13 +58,14 @@ def validate_inputs(
                     f"rank {r} slot {slot.slot_id!r}: idle_s={slot.idle_s}, "
                     f"spread_s={slot.spread_s} must be finite and >= 0"
                 )
-    replica_groups(layouts)
+    groups = replica_groups(layouts)
     for r, streams in (transfers or {}).items():
         if r not in layouts:
             raise ValueError(f"transfers name rank {r}, which has no StateLayout")
         for peer, nbytes in streams:
             if nbytes < 0 or peer < 0:
                 raise ValueError(f"rank {r}: transfer ({peer}, {nbytes}) needs peer, nbytes >= 0")
+    return groups
 
 
 def replica_groups(layouts: Mapping[int, StateLayout]) -> list[tuple[int, ...]]:
@@ -195,11 +198,25 @@ def lower_bound(
 
     Per replica group the best fluid DP split of the snapshot work; max over groups.
     """
-    validate_inputs(bubbles, layouts, transfers)
-    interval = interval_iters or policy.every
+    groups = validate_inputs(bubbles, layouts, transfers)
+    return groups_lower_bound(
+        bubbles, layouts, groups, cost, policy, transfers, interval_iters or policy.every
+    )
+
+
+def groups_lower_bound(
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    groups: Sequence[tuple[int, ...]],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    transfers: Transfers | None,
+    interval: int,
+) -> float:
+    """``lower_bound`` for already validated inputs and their replica groups."""
     a = cost.per_byte_s(TaskKind.SNAPSHOT, policy.max_chunk_bytes)
     best = 0.0
-    for group in replica_groups(layouts):
+    for group in groups:
         curves = []
         for r in group:
             send_s = sum(
@@ -226,13 +243,13 @@ def exact_exposed(
     most ``max_chunk_bytes``; every chunk goes to one slot (if it fits) or is spilled.
     Exponential: for a handful of quanta, slots and replicas only.
     """
-    validate_inputs(bubbles, layouts)
+    groups = validate_inputs(bubbles, layouts)
     lo_units = max(1, math.ceil(policy.min_chunk_bytes / quantum))
     hi_units = policy.max_chunk_bytes // quantum
     if hi_units < lo_units:
         raise ValueError("quantum too coarse: no chunk size fits min/max_chunk_bytes")
     worst = 0.0
-    for group in replica_groups(layouts):
+    for group in groups:
         total = layouts[group[0]].nbytes
         if total % quantum:
             raise ValueError(f"state size {total} is not a multiple of quantum={quantum}")

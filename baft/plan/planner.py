@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from baft.plan.bounds import Exposure, level_split, lower_bound, replica_groups, validate_inputs
+from baft.plan.bounds import Exposure, groups_lower_bound, level_split, validate_inputs
 from baft.plan.cost import CostModel, cut_sizes, slot_bytes, tail_bytes
 from baft.plan.render import ms, plan_reason
 from baft.plan.types import (
@@ -66,8 +66,7 @@ def plan(
     checkpoint; a SEND reads only the rank's own snapshot of that version. Raises
     ``ValueError`` with the fix when the inputs disagree.
     """
-    validate_inputs(bubbles, layouts, transfers)
-    groups = replica_groups(layouts)
+    groups = validate_inputs(bubbles, layouts, transfers)
     interval = policy.every
     built = _build(bubbles, layouts, groups, cost, policy, transfers, interval)
     note = ""
@@ -86,9 +85,7 @@ def plan(
         for r, (w, chunks, start, stop) in sorted(built.items())
     }
     exposed = max((rp.exposed_s for rp in ranks.values()), default=0.0)
-    bound = lower_bound(
-        bubbles, layouts, cost, policy, transfers=transfers, interval_iters=interval
-    )
+    bound = groups_lower_bound(bubbles, layouts, groups, cost, policy, transfers, interval)
     reason = plan_reason(ranks, bubbles, layouts, groups, policy, interval, exposed, bound, note)
     return CheckpointPlan(
         ranks=ranks,
@@ -105,19 +102,29 @@ def owned_ranges(
     cost: CostModel,
     policy: CheckpointPolicy,
 ) -> dict[int, tuple[int, int]]:
-    """Each rank's owned byte range as ``plan`` splits it without transfers (no chunking):
-    the shard sizes to hand the coding module before planning its SEND traffic."""
-    validate_inputs(bubbles, layouts)
+    """Each rank's owned byte range exactly as ``plan`` splits it without transfers (no
+    chunking): the shard sizes to hand the coding module before planning its SENDs."""
     out: dict[int, tuple[int, int]] = {}
-    for group in replica_groups(layouts):
+    for group in validate_inputs(bubbles, layouts):
         works = [_new_rank(bubbles[r], policy) for r in group]
-        caps = [_capacity_bytes(w, cost, policy) for w in works]
-        shares = split_bytes(layouts[group[0]].nbytes, caps, [0.0] * len(group), cost, policy)
+        shares = _shares(layouts[group[0]], works, cost, policy)
         start = 0
         for r, share in zip(group, shares, strict=True):
             out[r] = (start, start + share)
             start += share
     return out
+
+
+def _shares(
+    layout: StateLayout, works: Sequence[_Rank], cost: CostModel, policy: CheckpointPolicy
+) -> list[int]:
+    """Bytes each replica owns: capacity-balanced, then snapped to tensor edges if asked."""
+    caps = [_capacity_bytes(w, cost, policy) for w in works]
+    fixed = [_send_spill_s(w, cost) for w in works]
+    shares = split_bytes(layout.nbytes, caps, fixed, cost, policy)
+    if policy.align_to_tensors:
+        shares = snap_to_tensors(shares, layout)
+    return shares
 
 
 _Built = dict[int, tuple[_Rank, tuple[Chunk, ...], int, int]]
@@ -140,12 +147,7 @@ def _build(
     out: _Built = {}
     snap_rate = cost.copy_Bps
     for group in groups:
-        total = layouts[group[0]].nbytes
-        caps = [_capacity_bytes(works[r], cost, policy) for r in group]
-        fixed = [_send_spill_s(works[r], cost) for r in group]
-        shares = split_bytes(total, caps, fixed, cost, policy)
-        if policy.align_to_tensors:
-            shares = snap_to_tensors(shares, layouts[group[0]])
+        shares = _shares(layouts[group[0]], [works[r] for r in group], cost, policy)
         start = 0
         next_id = 0
         for r, share in zip(group, shares, strict=True):
