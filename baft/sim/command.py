@@ -398,7 +398,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(err)
     if args.json:
-        shown = set(ranks) if args.ranks else set(plan.ranks)
+        shown = set(ranks)
         out = plan_to_dict(plan)
         out["ranks"] = {k: v for k, v in out["ranks"].items() if int(k) in shown}
         print(

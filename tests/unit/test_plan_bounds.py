@@ -37,7 +37,11 @@ def make_instance(
     for g in range(num_groups):
         group = tuple(g * num_dp + d for d in range(num_dp))
         units = rng.randint(0, max_units)
-        tensors = (TensorSpec(name=f"g{g}.w", nbytes=units * quantum),)
+        cut = rng.randint(0, units)
+        tensors = (
+            TensorSpec(name=f"g{g}.a", nbytes=cut * quantum),
+            TensorSpec(name=f"g{g}.b", nbytes=(units - cut) * quantum),
+        )
         for r in group:
             layouts[r] = StateLayout(rank=r, tensors=tensors, replicas=group)
             slots = [
@@ -212,7 +216,7 @@ def instances(draw: st.DrawFn) -> tuple:
     )
     mn = quantum * draw(st.sampled_from([1, 2]))  # at most ~40 chunks per rank
     policy = CheckpointPolicy(
-        align_to_tensors=False,  # the exact solver splits at any byte
+        align_to_tensors=draw(st.booleans()),
         every=draw(st.integers(1, 3)),
         on_overflow=draw(st.sampled_from(["spill", "stretch"])),
         min_chunk_bytes=mn,
