@@ -34,21 +34,33 @@ class ModelPreset:
     """Shape of a decoder-only transformer and its usual training layout."""
 
     name: str
+    """Preset name, e.g. "llama2-34b"."""
     num_layers: int
+    """Transformer blocks."""
     hidden: int
+    """Model width."""
     num_heads: int
+    """Attention heads."""
     num_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
     ffn_hidden: int
+    """MLP inner width."""
     vocab: int
+    """Vocabulary size."""
     seq_len: int
+    """Training sequence length."""
     gated_mlp: bool
     """SwiGLU (3 matrices, Llama) or GELU (2 matrices, GPT-3)."""
     tied_embeddings: bool
     """GPT-3 ties input and output embeddings (the last stage still stores a copy)."""
     global_batch_tokens: int
+    """Published global batch in tokens."""
     default_tp: int
+    """Tensor-parallel degree used when --tp is not given."""
     default_pp: int
+    """Pipeline degree used when --pp is not given."""
     source: str
+    """Where the shape comes from."""
 
     def layer_params(self) -> int:
         h = self.hidden
@@ -164,12 +176,15 @@ class Hardware:
     """One accelerator (as torch sees it) and its share of the node."""
 
     name: str
+    """Preset name, e.g. "h100"."""
     peak_bf16_flops: float
     """Dense bf16 tensor FLOP/s (vendor peak)."""
     mfu: float
     """Assumed share of peak reached inside a stage's F/B (bubbles excluded)."""
     hbm_bytes: float
+    """Device memory in bytes."""
     hbm_Bps: float
+    """Device memory bandwidth."""
     d2h_Bps: float
     """Sustained device -> pinned host copy per GPU while every GPU of the node copies."""
     nic_Bps: float
@@ -177,7 +192,9 @@ class Hardware:
     host_memcpy_Bps: float
     """Host memory copy bandwidth per GPU (the node's DRAM bandwidth shared)."""
     gpus_per_node: int
+    """Devices sharing one host (a failure domain)."""
     source: str
+    """Vendor documents behind the numbers."""
 
 
 HARDWARE: dict[str, Hardware] = {
