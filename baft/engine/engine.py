@@ -259,13 +259,15 @@ class CheckpointEngine:
             start = timeline.now()
             self._fire("transfer", iteration)
             encoded = self.exchange.finish() if self.exchange is not None else 0
-            self._complete(v, iteration)
+            complete = self.store.path.exists()  # a store wiped under a live rank loses v
+            if complete:
+                self._complete(v, iteration)
             end = timeline.now()
             v.exposed_s += end - start
             timeline.add(
                 "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
             )
-            self._post_commit(v.version)
+            self._post_commit(v.version, complete)
             self.last_metrics = self._metrics(v)
             self._cur = None
         else:
@@ -375,8 +377,9 @@ class CheckpointEngine:
         )
         self.store.complete(v.slot, manifest)
 
-    def _post_commit(self, version: int) -> None:
-        t = torch.tensor([version], dtype=torch.int64)
+    def _post_commit(self, version: int, complete: bool) -> None:
+        """Start the global agreement on ``version``; a rank that could not complete it votes -1."""
+        t = torch.tensor([version if complete else -1], dtype=torch.int64)
         group = getattr(self.transport, "group", None)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)
         self._pending_commit = (version, work, t)
