@@ -150,6 +150,9 @@ class CheckpointConfig:
     """torchrun worker-group restarts before giving up."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see baft.faults), e.g. ["kill:rank=1,iter=7"]."""
+    cost: dict[str, float] | None = None
+    """Cost-model override (copy_Bps, net_Bps, encode_Bps, persist_Bps, interference);
+    None measures it at the end of profiling (about a second, rank 0)."""
 
     def policy(self) -> Any:
         from baft.plan.types import CheckpointPolicy

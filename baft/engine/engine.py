@@ -160,15 +160,28 @@ class CheckpointEngine:
     def _gather_and_plan(self) -> None:
         records = [parse_record(d) for d in self._profile]
         bmap = bubble_map(self.rank, records, skip=0)
+        cost = self._calibrate() if self.rank == 0 else None
         gathered = self.transport.all_gather_object(
-            {"bubbles": _bmap_to_json(bmap), "layout": _layout_to_json(self.layout())}
+            {"bubbles": _bmap_to_json(bmap), "layout": _layout_to_json(self.layout()), "cost": cost}
         )
-        plan_input = {"ranks": gathered, "world_size": self.topology.world_size}
+        plan_input = {
+            "ranks": [{k: v for k, v in g.items() if k != "cost"} for g in gathered],
+            "cost": gathered[0]["cost"],
+            "world_size": self.topology.world_size,
+        }
         if self.rank == 0:
             tmp = self.run_dir / (PLAN_INPUT_FILE + ".tmp")
             tmp.write_text(json.dumps(plan_input))
             tmp.replace(self.run_dir / PLAN_INPUT_FILE)
         self._plan_from(plan_input, source="profile")
+
+    def _calibrate(self) -> dict[str, float]:
+        """The cost model: configured values, else a ~1 s micro-benchmark on this machine."""
+        if self.ck.cost:
+            return dict(self.ck.cost)
+        from baft.profile.calibrate import measure_cost_model
+
+        return measure_cost_model(8 << 20, repeats=2)
 
     def _plan_from(self, plan_input: dict[str, Any], source: str) -> None:
         ranks = plan_input["ranks"]
@@ -178,7 +191,9 @@ class CheckpointEngine:
         layouts = {r: _layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
         if layouts[self.rank] != self.layout():
             raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
-        plan = make_plan(bubbles, layouts, CostModel(), self.policy)
+        plan = make_plan(
+            bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), self.policy
+        )
         self.plan = plan
         rp = plan.ranks[self.rank]
         shard_sizes = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}

@@ -69,6 +69,11 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` (simulator source) on an argparse subparsers object."""
     p = subparsers.add_parser("plan", help="show the bubble map and the checkpoint plan")
+    p.add_argument(
+        "--run",
+        metavar="RUN_DIR",
+        help="plan of a real checkpointed run (its measured bubbles) instead of a preset",
+    )
     _add_scenario_args(p)
     p.add_argument("--ranks", help="comma-separated global ranks to show (default: dp=0,tp=0)")
     p.set_defaults(func=run_plan)
@@ -382,7 +387,14 @@ def render_result(result: dict[str, Any]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Entry point of ``baft plan`` with the simulator as bubble source."""
+    """Entry point of ``baft plan``: a real run's profile (``--run``) or a simulator preset."""
+    if getattr(args, "run", None):
+        from baft.profile.planrun import run_plan_from_run
+
+        try:
+            return run_plan_from_run(args)
+        except ValueError as err:
+            return _fail(err)
     try:
         scn = _scenario(args)
         policy = _policy(args)
