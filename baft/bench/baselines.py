@@ -26,15 +26,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from baft.bench.overhead import ALL_MODES, BASELINE_MODES, ENGINE_MODES
 from baft.pipeline import IterationTimeline
 from baft.train.trainer import Trainer
 
-BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
-"""Modes implemented in this module."""
-ENGINE_MODES = ("naive-async", "baft")
-"""Modes provided by ``baft.engine.engine.CheckpointEngine``."""
-ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES)
-"""Every mode ``baft bench overhead`` knows, in report order."""
+__all__ = ["ALL_MODES", "BASELINE_MODES", "ENGINE_MODES", "make_baseline", "state_nbytes"]
 
 
 class BenchMode(Protocol):

@@ -1,5 +1,8 @@
-"""``baft bench``: the command line of the benchmarks (``overhead`` now; ``recovery`` and
-``scale`` are announced but not implemented yet).
+"""``baft bench``: the command line of the benchmarks.
+
+``overhead`` lives here; ``recovery`` and ``scale`` are registered from
+``baft.bench.recovery`` / ``baft.bench.scale`` when those modules exist (else they answer
+"not yet").
 
 ``baft bench overhead`` launches one torchrun job (see :mod:`baft.bench.overhead`), reads
 its raw results, prints a table (or one JSON object with ``--json``) and writes
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import os
 import platform
@@ -20,13 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from baft.bench.baselines import ALL_MODES, ENGINE_MODES
 from baft.bench.overhead import (
+    ALL_MODES,
+    ENGINE_MODES,
     RAW_FILE,
     OverheadConfig,
     engine_job_id,
-    plot_iterations,
-    render_markdown,
     summarize,
 )
 
@@ -77,9 +80,22 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("--timeout", type=float, default=1800.0, help="kill the job after this many seconds")
     for name in _NOT_YET:
-        sub.add_parser(name, help=f"{name} benchmark (not yet implemented)")
+        _add_other(sub, name)
     parser.set_defaults(func=run_bench)
     return parser
+
+
+def _add_other(sub: Any, name: str) -> None:
+    """Register ``baft bench <name>`` from ``baft.bench.<name>.add_<name>_parser`` (which
+    sets its own ``func``), or as a "not yet" command while that module does not exist."""
+    try:
+        module = importlib.import_module(f"baft.bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"baft.bench.{name}":
+            raise
+        sub.add_parser(name, help=f"{name} benchmark (not yet implemented)")
+        return
+    getattr(module, f"add_{name}_parser")(sub)
 
 
 def config_from_args(a: argparse.Namespace) -> OverheadConfig:
@@ -216,15 +232,104 @@ def _print_table(result: dict[str, Any]) -> None:
         )
 
 
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: str | None) -> str:
+    """The results page: date, machine, command, table of raw numbers and ratios, plot."""
+    emulated = result["compute"] == "emulated"
+    tag = " (EMULATED compute)" if emulated else ""
+    cfg, mach = result["config"], result["machine"]
+    lines = [
+        f"# Checkpoint overhead, side by side{tag}",
+        "",
+        f"- date: {date}",
+        f"- machine: {mach.get('nproc')} CPUs ({mach.get('cpu_model')}), "
+        f"{mach.get('ram_gib')} GiB RAM, torch {mach.get('torch')}, python {mach.get('python')}; "
+        f"1-min load average {mach.get('load_before', '?')} before, "
+        f"{mach.get('load_after', '?')} after (other jobs share the machine)",
+        f"- command: `{command}`",
+        f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
+        f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
+        f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
+        f"- blocks: {cfg['num_blocks']} x {cfg['block_iters']} measured iterations per mode, "
+        f"interleaved; {cfg['num_switch_iters']} unmeasured after each switch",
+        "- state per rank (model + AdamW): "
+        + ", ".join(f"{b / 2**20:.1f} MiB" for b in result["state_bytes_per_rank"]),
+        f"- sync_snapshot_fraction: {_fmt(result['sync_snapshot_fraction'], '.3f')} "
+        f"(one synchronous copy_ of the state, {result['snapshot_s'] * 1e3:.1f} ms, "
+        "over the median `none` iteration)",
+        "",
+        f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none | paired ratio "
+        "| exposed ckpt (ms) | in-bubble fraction | MiB protected / iter | iterations |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in result["modes"].items():
+        lines.append(
+            f"| {name}{' (EMULATED)' if emulated else ''} | {_fmt(m['median_iter_s'], '.1f', 1e3)} "
+            f"| {_fmt(m['iqr_iter_s'], '.1f', 1e3)} | {_fmt(m['ratio_vs_none'], '.3f')} "
+            f"| {_fmt(m.get('paired_ratio_vs_none'), '.3f')} "
+            f"| {_fmt(m['exposed_s'], '.1f', 1e3)} | {_fmt(m['in_bubble_fraction'], '.2f')} "
+            f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
+        )
+    lines.append("")
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"- skipped `{name}`: {why}")
+    if emulated and result.get("emulated_times"):
+        t = result["emulated_times"]
+        lines.append(
+            "- EMULATED: per-stage forward/backward sleeps (ms) calibrated on the real model: "
+            + ", ".join(
+                f"stage {i}: {f * 1e3:.1f}/{b * 1e3:.1f}"
+                for i, (f, b) in enumerate(zip(t["fwd"], t["bwd"], strict=True))
+            )
+        )
+    lines += [
+        "- ratio vs none: ratio of medians; paired ratio: median over rounds of the block "
+        "median over the `none` block median of the same round (robust to drifting load).",
+        "- exposed: main-thread checkpoint seconds outside pipeline waits (max over ranks); "
+        "in-bubble fraction: share of main-thread checkpoint seconds spent inside waits, as "
+        "each mode reports it (naive-async counts its background copy thread there).",
+        "- Timings on a shared 2-core machine are noisy: compare modes within this run only.",
+        "",
+    ]
+    if plot:
+        lines += [f"![iteration times per mode]({plot})", ""]
+    return "\n".join(lines)
+
+
+def plot_iterations(raw: dict[str, Any], path: Path, *, title: str) -> None:
+    """Boxplot of iteration seconds (max over ranks) per mode, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(raw["modes"])
+    data = [[max(row) * 1e3 for row in raw["modes"][n]["iter_s"]] for n in names]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.set_ylabel("iteration time (ms, max over ranks)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_results(
     result: dict[str, Any], raw: dict[str, Any], results_dir: Path, command: str
 ) -> Path:
-    """Write ``overhead-<compute>-<date>.md`` and its PNG under ``results_dir``."""
+    """Write ``overhead-<compute>-<date>.md``, its PNG and the raw samples
+    (``.raw.json``) under ``results_dir``."""
     date = _dt.date.today().isoformat()
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"overhead-{result['compute']}-{date}"
     tag = " (EMULATED)" if result["compute"] == "emulated" else ""
     plot_iterations(raw, results_dir / f"{stem}.png", title=f"iteration time per mode{tag}")
+    (results_dir / f"{stem}.raw.json").write_text(json.dumps(raw) + "\n")
     page = render_markdown(result, command=command, date=date, plot=f"{stem}.png")
     path = results_dir / f"{stem}.md"
     path.write_text(page)
@@ -245,10 +350,14 @@ def run_overhead(a: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    load_before = os.getloadavg()[0]
     raw = _launch(cfg, a.timeout)
     if why is not None:
         raw.setdefault("skipped", {}).update({m: f"import failed: {why}" for m in engine_modes})
-    result = summarize(raw, machine_info())
+    machine = machine_info()
+    machine["load_before"] = round(load_before, 2)
+    machine["load_after"] = round(os.getloadavg()[0], 2)
+    result = summarize(raw, machine)
     if not a.no_results:
         path = write_results(result, raw, Path(a.results_dir), command_line(a))
         print(f"[bench] wrote {path}", file=sys.stderr)
@@ -268,7 +377,7 @@ def run_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"baft bench: error: {exc}", file=sys.stderr)
             return 1
-    if what in _NOT_YET:
+    if what is not None:  # registered by _add_other while its module does not exist
         print(f"baft bench {what}: not yet implemented (only `baft bench overhead` exists)", file=sys.stderr)  # fmt: skip
         return 2
     print("baft bench: choose a benchmark: overhead (recovery, scale: not yet)", file=sys.stderr)

@@ -7,7 +7,7 @@ mode runs ``num_switch_iters`` unmeasured iterations, and after it its backgroun
 drained, so no mode's work leaks into another's numbers. Per measured iteration every rank
 records its wall seconds and the mode's ``last_metrics``; one all-reduce per block brings
 them to rank 0, which writes ``OUT/overhead-raw.json``. :func:`summarize` (pure) turns
-that into the reported numbers and :func:`render_markdown` into the results page.
+that into the reported numbers; :mod:`baft.bench.command` renders the results page.
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baft.bench.baselines import ALL_MODES, BASELINE_MODES, ENGINE_MODES
+BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
+"""Modes implemented in :mod:`baft.bench.baselines`."""
+ENGINE_MODES = ("naive-async", "baft")
+"""Modes provided by ``baft.engine.engine.CheckpointEngine``."""
+ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES)
+"""Every mode ``baft bench overhead`` knows, in report order."""
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
@@ -222,91 +227,6 @@ def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dic
     }
 
 
-def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
-
-
-def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: str | None) -> str:
-    """The results page: date, machine, command, table of raw numbers and ratios, plot."""
-    emulated = result["compute"] == "emulated"
-    tag = " (EMULATED compute)" if emulated else ""
-    cfg, mach = result["config"], result["machine"]
-    lines = [
-        f"# Checkpoint overhead, side by side{tag}",
-        "",
-        f"- date: {date}",
-        f"- machine: {mach.get('nproc')} CPUs ({mach.get('cpu_model')}), "
-        f"{mach.get('ram_gib')} GiB RAM, torch {mach.get('torch')}, python {mach.get('python')}",
-        f"- command: `{command}`",
-        f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
-        f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
-        f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
-        f"- blocks: {cfg['num_blocks']} x {cfg['block_iters']} measured iterations per mode, "
-        f"interleaved; {cfg['num_switch_iters']} unmeasured after each switch",
-        "- state per rank (model + AdamW): "
-        + ", ".join(f"{b / 2**20:.1f} MiB" for b in result["state_bytes_per_rank"]),
-        f"- sync_snapshot_fraction: {_fmt(result['sync_snapshot_fraction'], '.3f')} "
-        f"(one synchronous copy_ of the state, {result['snapshot_s'] * 1e3:.1f} ms, "
-        "over the median `none` iteration)",
-        "",
-        f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none | paired ratio "
-        "| exposed ckpt (ms) | in-bubble fraction | MiB protected / iter | iterations |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, m in result["modes"].items():
-        lines.append(
-            f"| {name}{' (EMULATED)' if emulated else ''} | {_fmt(m['median_iter_s'], '.1f', 1e3)} "
-            f"| {_fmt(m['iqr_iter_s'], '.1f', 1e3)} | {_fmt(m['ratio_vs_none'], '.3f')} "
-            f"| {_fmt(m.get('paired_ratio_vs_none'), '.3f')} "
-            f"| {_fmt(m['exposed_s'], '.1f', 1e3)} | {_fmt(m['in_bubble_fraction'], '.2f')} "
-            f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
-        )
-    lines.append("")
-    for name, why in result.get("skipped", {}).items():
-        lines.append(f"- skipped `{name}`: {why}")
-    if emulated and result.get("emulated_times"):
-        t = result["emulated_times"]
-        lines.append(
-            "- EMULATED: per-stage forward/backward sleeps (ms) calibrated on the real model: "
-            + ", ".join(
-                f"stage {i}: {f * 1e3:.1f}/{b * 1e3:.1f}"
-                for i, (f, b) in enumerate(zip(t["fwd"], t["bwd"], strict=True))
-            )
-        )
-    lines += [
-        "- ratio vs none: ratio of medians; paired ratio: median over rounds of the block "
-        "median over the `none` block median of the same round (robust to drifting load).",
-        "- exposed: main-thread checkpoint seconds outside pipeline waits (max over ranks); "
-        "in-bubble fraction: share of main-thread checkpoint seconds spent inside waits, as "
-        "each mode reports it (naive-async counts its background copy thread there).",
-        "- Timings on a shared 2-core machine are noisy: compare modes within this run only.",
-        "",
-    ]
-    if plot:
-        lines += [f"![iteration times per mode]({plot})", ""]
-    return "\n".join(lines)
-
-
-def plot_iterations(raw: dict[str, Any], path: Path, *, title: str) -> None:
-    """Boxplot of iteration seconds (max over ranks) per mode, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(raw["modes"])
-    data = [[max(row) * 1e3 for row in raw["modes"][n]["iter_s"]] for n in names]
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
-    ax.boxplot(data, showfliers=True)
-    ax.set_xticks(range(1, len(names) + 1), names)
-    ax.set_ylabel("iteration time (ms, max over ranks)")
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------ the worker
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
@@ -450,6 +370,28 @@ def _gather_rows(rows: list[list[float]], rank: int, world: int) -> list[list[li
     return out
 
 
+def _measure(
+    bcfg: OverheadConfig, trainer: Any, hooks: dict[str, Any], it: int, rank: int, world: int
+) -> dict[str, dict[str, list[list[float]]]]:
+    """The interleaved blocks, from iteration ``it``: {mode: {field: [iteration][rank]}}."""
+    samples: dict[str, dict[str, list[list[float]]]] = {m: {f: [] for f in FIELDS} for m in hooks}
+    for block in range(bcfg.num_blocks):
+        for mode, h in hooks.items():
+            _switch(trainer, h, True)
+            _run_block(trainer, h, it, bcfg.num_switch_iters)
+            it += bcfg.num_switch_iters
+            rows = _run_block(trainer, h, it, bcfg.block_iters)
+            it += bcfg.block_iters
+            _switch(trainer, h, False)
+            for per_iter in _gather_rows(rows, rank, world):
+                for i, name in enumerate(FIELDS):
+                    samples[mode][name].append([r[i] for r in per_iter])
+            if rank == 0:
+                med = statistics.median(max(r) for r in samples[mode]["iter_s"])
+                _log(f"block {block + 1}/{bcfg.num_blocks} {mode}: median {med * 1e3:.1f} ms")
+    return samples
+
+
 def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     """Run the benchmark on this rank; rank 0 returns the raw results, others None."""
     import torch
@@ -487,21 +429,7 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     facts[0, rank] = measure_sync_snapshot(trainer)
     facts[1, rank] = state_nbytes(trainer)
     dist.all_reduce(facts)
-    samples: dict[str, dict[str, list[list[float]]]] = {m: {f: [] for f in FIELDS} for m in hooks}
-    for block in range(bcfg.num_blocks):
-        for mode, h in hooks.items():
-            _switch(trainer, h, True)
-            _run_block(trainer, h, it, bcfg.num_switch_iters)
-            it += bcfg.num_switch_iters
-            rows = _run_block(trainer, h, it, bcfg.block_iters)
-            it += bcfg.block_iters
-            _switch(trainer, h, False)
-            for per_iter in _gather_rows(rows, rank, world):
-                for i, name in enumerate(FIELDS):
-                    samples[mode][name].append([r[i] for r in per_iter])
-            if rank == 0:
-                med = statistics.median(max(r) for r in samples[mode]["iter_s"])
-                _log(f"block {block + 1}/{bcfg.num_blocks} {mode}: median {med * 1e3:.1f} ms")
+    samples = _measure(bcfg, trainer, hooks, it, rank, world)
     for h in hooks.values():
         _close(h)
     if rank != 0:

@@ -13,7 +13,6 @@ measures the real stage's forward/backward seconds on one microbatch.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,11 +142,13 @@ def _stage_input(stage: nn.Module, cfg: ModelConfig, batch: int, gen: torch.Gene
 
 
 def calibrate_stage(
-    stage: nn.Module, cfg: ModelConfig, microbatch: int, *, num_reps: int = 3
+    stage: nn.Module, cfg: ModelConfig, microbatch: int, *, num_reps: int = 5
 ) -> tuple[float, float]:
-    """Median (forward, backward) seconds of the real ``stage`` on one microbatch.
+    """Fastest (forward, backward) seconds of the real ``stage`` on one microbatch.
 
-    The forward of the last stage includes the loss, as in the pipeline. One unmeasured
+    The minimum over ``num_reps`` runs, not the median: on a shared machine other jobs
+    only ever add time, and the emulated device should not inherit their load. The
+    forward of the last stage includes the loss, as in the pipeline. One unmeasured
     warm-up run comes first; gradients are cleared afterwards.
     """
     if microbatch < 1 or num_reps < 1:
@@ -169,4 +170,4 @@ def calibrate_stage(
             fwd.append(mid - start)
             bwd.append(end - mid)
     stage.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+    return min(fwd), min(bwd)

@@ -61,5 +61,6 @@ def test_overhead_none_vs_torch_save(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert result["sync_snapshot_fraction"] > 0
     pages = list((tmp_path / "results").glob("overhead-real-*.md"))
     assert len(pages) == 1 and pages[0].with_suffix(".png").is_file()
+    assert pages[0].with_suffix(".raw.json").is_file()
     assert "| torch-save |" in pages[0].read_text()
     assert not (tmp_path / "run" / "ckpt").exists()  # checkpoint files cleaned up

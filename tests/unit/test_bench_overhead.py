@@ -8,8 +8,15 @@ from typing import Any
 
 import pytest
 
-from baft.bench.command import add_bench_parser, command_line, config_from_args, run_bench
-from baft.bench.overhead import OverheadConfig, render_markdown, summarize, summarize_mode
+from baft.bench.command import (
+    _add_other,
+    add_bench_parser,
+    command_line,
+    config_from_args,
+    render_markdown,
+    run_bench,
+)
+from baft.bench.overhead import OverheadConfig, summarize, summarize_mode
 
 
 def _samples(iter_s: list[list[float]], **other: list[list[float]]) -> dict[str, Any]:
@@ -142,10 +149,19 @@ def test_bad_flags_raise_value_error_with_the_fix(flags: list[str], message: str
         config_from_args(_parse("overhead", *flags))
 
 
-def test_not_yet_benchmarks_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_bench(_parse("recovery")) == 2
+def test_missing_benchmark_module_registers_a_not_yet_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser(prog="baft")
+    sub = parser.add_subparsers(dest="bench_command")
+    _add_other(sub, "nosuch")
+    assert run_bench(parser.parse_args(["nosuch"])) == 2
     assert "not yet implemented" in capsys.readouterr().err
+
+
+def test_bench_without_a_benchmark_says_which_exist(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(_parse()) == 2
+    assert "overhead" in capsys.readouterr().err
 
 
 def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
