@@ -420,7 +420,7 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
         num = bcfg.num_warmup
         if callable(getattr(h, "start", None)):  # the engine profiles, then plans
             h.start(it)
-            num += h.ck.profile_iters
+            num += getattr(getattr(h, "ck", None), "profile_iters", 0)
         _switch(trainer, h, True)
         _run_block(trainer, h, it, num)
         it += num
