@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import time
 from pathlib import Path
@@ -171,6 +172,7 @@ def recover_and_start(
     report.phase("load", t_load)
     if mesh.rank == 0:
         print(f"[baft] recovery: {reason}", flush=True)
+    _MAPS.clear()
     engine.recovery = report
     if plan.source == "memory":
         engine.skip_version = plan.version
@@ -257,14 +259,30 @@ def _verify_reads(engine: CheckpointEngine, plan: RecoveryPlan) -> list[str]:
     return problems
 
 
+_MAPS: dict[Path, np.ndarray] = {}
+"""Store files mapped during one restore: verification and loading share one mapping."""
+
+
 def _read_file(path: Path, offset: int, nbytes: int) -> np.ndarray:
-    """Bytes of a store file as a private (copy-on-write) mapping: no copy, no fresh pages."""
-    size = path.stat().st_size if path.exists() else -1
-    if size < offset + nbytes:
-        raise RestoreError(f"{path}: expected {nbytes} bytes at {offset}, file has {size}")
-    if nbytes == 0:
-        return np.zeros(0, np.uint8)
-    return np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,))
+    """Bytes of a store file from a private (copy-on-write) mapping: no copy.
+
+    The mapping is reused by every later read of the same file in this restore, so
+    verifying and loading fault the pages in once. (``MAP_POPULATE`` on a private
+    writable mapping copies every page: 4x slower here, so it is not used.)
+    """
+    if path not in _MAPS:
+        size = path.stat().st_size if path.exists() else 0
+        if size == 0:
+            _MAPS[path] = np.zeros(0, np.uint8)
+        else:
+            flags = mmap.MAP_PRIVATE
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _MAPS[path] = np.frombuffer(mm, dtype=np.uint8)
+    data = _MAPS[path]
+    if data.size < offset + nbytes:
+        raise RestoreError(f"{path}: expected {nbytes} bytes at {offset}, file has {data.size}")
+    return data[offset : offset + nbytes]
 
 
 def _rebuild_shard(
