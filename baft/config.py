@@ -150,6 +150,9 @@ class CheckpointConfig:
     """torchrun worker-group restarts before giving up."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see baft.faults), e.g. ["kill:rank=1,iter=7"]."""
+    host_work: str = "auto"
+    """Where checksums and redundancy sends run: "bubbles" (only while the rank waits),
+    "always" (a background thread), "auto" (bubbles when the CPU also computes)."""
     cost: dict[str, float] | None = None
     """Cost-model override (copy_Bps, net_Bps, encode_Bps, persist_Bps, interference);
     None measures it at the end of profiling (about a second, rank 0)."""
@@ -226,6 +229,8 @@ class TrainConfig:
             self.checkpoint.policy()  # validates the policy fields
             if ck.profile_iters < 1:
                 raise ValueError("profile_iters must be >= 1")
+            if ck.host_work not in ("auto", "bubbles", "always"):
+                raise ValueError("host_work must be auto, bubbles or always")
             if ck.timeout_s <= 0:
                 raise ValueError("--timeout must be > 0 seconds")
             from baft.store.coding import Redundancy, coding_groups

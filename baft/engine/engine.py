@@ -40,6 +40,7 @@ from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, SaveHandle
 from baft.engine.redundancy import RedundancyExchange
 from baft.engine.transport import GlooTransport, Transport
+from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.cost import CostModel
 from baft.plan.planner import plan as make_plan
@@ -70,7 +71,8 @@ class _Version:
         self.in_bubble_s = 0.0
         self.exposed_s = 0.0
         self.snapshot_bytes = 0
-        self.naive_thread: threading.Thread | None = None
+        self.protected: set[int] = set()
+        self.snapshot_event: threading.Event | None = None
 
 
 class CheckpointEngine:
@@ -116,6 +118,12 @@ class CheckpointEngine:
         self.recovery: Any = None
         self.skip_version: int | None = None
         self.copier = device_copy_for(mesh.device)
+        # Host-side protect work waits for bubbles only when the host also computes.
+        gated = mesh.device.type == "cpu" and cfg.compute == "real" and not naive
+        self.worker = ProtectWorker(
+            gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles"
+        )
+        self.worker_thread: threading.Thread | None = None
         self.run_dir = Path(cfg.out_dir)
         self.enabled = True
         self.plan: CheckpointPlan | None = None
@@ -230,11 +238,11 @@ class CheckpointEngine:
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
         self._rng.copy_(torch.get_rng_state())
         self._fire("iteration", iteration)
-        if self.naive:
+        if self.naive:  # naive-async: everything starts at once on the (ungated) worker
             v = self._current(iteration)
             if v is not None:
-                v.naive_thread = threading.Thread(target=self._run_all, args=(v,), daemon=True)
-                v.naive_thread.start()
+                v.snapshot_event = threading.Event()
+                self.worker.submit(lambda: self._run_all(v))
 
     def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.injector is not None:
@@ -250,13 +258,17 @@ class CheckpointEngine:
             self._snapshot(v, task, pieces, timeline, slot_id, exposed=False)
             if len(v.done) == 1:
                 self._fire("snapshot", timeline.iteration)
+        self.worker.open()
+
+    def after_slot(self, slot_id: str) -> None:
+        self.worker.close()
 
     def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None:
         v = self._current(iteration)
         if v is not None:
-            if v.naive_thread is not None:
+            if v.snapshot_event is not None:  # naive-async: the snapshot must be done
                 start = timeline.now()
-                v.naive_thread.join()
+                v.snapshot_event.wait()
                 v.exposed_s += timeline.now() - start
                 timeline.add(
                     "snapshot-join", "ckpt", start, timeline.now(), slot="pre_step", exposed=True
@@ -273,6 +285,7 @@ class CheckpointEngine:
         if v is not None and v.version == iteration:
             start = timeline.now()
             self._fire("transfer", iteration)
+            self.worker.drain()  # checksums and sends not done in bubbles: exposed
             encoded = self.exchange.finish() if self.exchange is not None else 0
             complete = self.store.path.exists()  # a store wiped under a live rank loses v
             if complete:
@@ -329,13 +342,13 @@ class CheckpointEngine:
         out = v.data[lo : lo + task.nbytes]
         self.flat.read_into(pieces, out, self.copier)
         self.copier.synchronize()
-        v.checksums[task.chunk_id] = checksum(out.numpy())
         v.done.add(task.chunk_id)
         v.snapshot_bytes += task.nbytes
-        while v.covered < v.data.numel() and self._chunk_at(v.covered) in v.done:
-            v.covered = self._chunk_end(v.covered)
-        if self.exchange is not None:
-            self.exchange.post_sends(v.covered)
+        chunk_id = task.chunk_id
+        if threading.current_thread() is self.worker_thread:
+            self._protect(v, chunk_id, out)
+        else:
+            self.worker.submit(lambda: self._protect(v, chunk_id, out))
         elapsed = time.perf_counter() - start
         if exposed:
             v.exposed_s += elapsed
@@ -353,10 +366,24 @@ class CheckpointEngine:
                 exposed=exposed,
             )
 
+    def _protect(self, v: _Version, chunk_id: int, out: torch.Tensor) -> None:
+        """Worker: checksum one snapshotted chunk, send the redundancy pieces it completes."""
+        v.checksums[chunk_id] = checksum(out.numpy())
+        v.protected.add(chunk_id)
+        while v.covered < v.data.numel() and self._chunk_at(v.covered) in v.protected:
+            v.covered = self._chunk_end(v.covered)
+        if self.exchange is not None:
+            for piece in self.exchange.take_sends(v.covered):
+                self.exchange.send_now(piece)
+
     def _run_all(self, v: _Version) -> None:
-        """naive-async: snapshot everything at once on a background thread."""
+        """naive-async (on the worker): snapshot and protect everything at once."""
+        self.worker_thread = threading.current_thread()
         for task, pieces in self._all_tasks:
-            self._snapshot(v, task, pieces, None, "naive", exposed=False)
+            if task.chunk_id not in v.done:
+                self._snapshot(v, task, pieces, None, "naive", exposed=False)
+        assert v.snapshot_event is not None
+        v.snapshot_event.set()
 
     def _chunk_at(self, shard_offset: int) -> int:
         return self._chunk_by_offset.get(shard_offset, (-1, shard_offset))[0]
@@ -467,6 +494,7 @@ class CheckpointEngine:
 
     def close(self) -> None:
         """Finish pending commit and persist; release the store mappings."""
+        self.worker.shutdown()
         self._resolve_commit()
         if self._persist is not None:
             self._persist[1].wait()

@@ -104,6 +104,25 @@ class RedundancyExchange:
         buf = self._staging[(p.region_id, p.input_index)]
         return buf[p.input_offset : p.input_offset + p.nbytes]
 
+    def take_sends(self, covered: int) -> list[_Piece]:
+        """Claim the not yet sent pieces within the first ``covered`` shard bytes."""
+        out = []
+        while self._next_send < len(self.sends):
+            p = self.sends[self._next_send]
+            if p.src_offset + p.nbytes > covered:
+                break
+            out.append(p)
+            self._next_send += 1
+        return out
+
+    def send_now(self, p: _Piece) -> None:
+        """Send one claimed piece and wait until it has left (on the caller's thread)."""
+        assert self._data is not None
+        self.transport.isend(
+            self._data[p.src_offset : p.src_offset + p.nbytes], p.dst, p.tag
+        ).wait()
+        self.bytes_sent += p.nbytes
+
     def post_sends(self, covered: int) -> int:
         """Post the sends whose bytes lie within the first ``covered`` shard bytes."""
         assert self._data is not None

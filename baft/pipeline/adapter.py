@@ -78,10 +78,13 @@ class ProtectedSchedule:
         *,
         on_slot: SlotHandler | None = None,
         instrument: bool = True,
+        on_slot_end: Callable[[str], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.stages = list(stages)
         self.on_slot = on_slot
+        self.on_slot_end = on_slot_end
+        """Called when the wait of a slot returned (the rank computes again)."""
         self.instrument = instrument
         """False runs the bare torch schedule: no slots, no timeline (the baseline)."""
         self._timeline: IterationTimeline | None = None
@@ -131,7 +134,11 @@ class ProtectedSchedule:
         if self.on_slot is not None:
             self.on_slot(slot_id, kind, timeline)
         start = timeline.now()
-        out = wait()
+        try:
+            out = wait()
+        finally:
+            if self.on_slot_end is not None:
+                self.on_slot_end(slot_id)
         timeline.add("wait", "wait", start, timeline.now(), slot=slot_id, kind=kind)
         return out
 

@@ -95,13 +95,22 @@ class StepRunner:
         self.num_tp = num_tp
         self.hooks = hooks
         self.protected = ProtectedSchedule(
-            schedule, stages, on_slot=self._on_slot, instrument=instrument
+            schedule,
+            stages,
+            on_slot=self._on_slot,
+            instrument=instrument,
+            on_slot_end=self._on_slot_end,
         )
         self.params = [p for m in modules for p in m.parameters()]
 
     def _on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.hooks is not None:
             self.hooks.on_slot(slot_id, kind, timeline)
+
+    def _on_slot_end(self, slot_id: str) -> None:
+        end = getattr(self.hooks, "after_slot", None)
+        if end is not None:
+            end(slot_id)
 
     # ---------------------------------------------------------------- the step
     def run_step(
