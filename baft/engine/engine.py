@@ -54,6 +54,8 @@ from baft.train.mesh import Mesh
 from baft.train.trainer import StepRunner
 
 PLAN_INPUT_FILE = "plan_input.json"
+REPLAN_AFTER_CHECKPOINTS = 3
+"""Checkpoints after which the measured snapshot copy rate is compared with the plan's."""
 
 
 class _Version:
@@ -141,6 +143,9 @@ class CheckpointEngine:
         self._checkpoints_committed = 0
         self.last_metrics: dict[str, Any] = {}
         self.plan_iteration = ck.profile_iters
+        self._plan_input: dict[str, Any] | None = None
+        self._checkpoints_since_plan = 0
+        self._observed: tuple[int, float] = (0, 0.0)
         trainer.hooks = self
 
     # ------------------------------------------------------------------ set-up
@@ -177,11 +182,47 @@ class CheckpointEngine:
             "cost": gathered[0]["cost"],
             "world_size": self.topology.world_size,
         }
+        self._save_plan_input(plan_input)
+        self._plan_from(plan_input, source="profile")
+
+    def _save_plan_input(self, plan_input: dict[str, Any]) -> None:
         if self.rank == 0:
             tmp = self.run_dir / (PLAN_INPUT_FILE + ".tmp")
             tmp.write_text(json.dumps(plan_input))
             tmp.replace(self.run_dir / PLAN_INPUT_FILE)
-        self._plan_from(plan_input, source="profile")
+
+    def _maybe_replan(self) -> None:
+        """Once, after a few checkpoints: re-plan if snapshots copy at another rate than
+        the plan assumed (the start-up micro-benchmark copies one hot buffer; real
+        snapshots gather many tensors next to a computing neighbour, 2-4x slower here).
+
+        Collective: every rank reaches it at the same iteration. The measured rate is the
+        slowest rank's. A new plan may move shard boundaries, so every store forgets its
+        versions; the next checkpoint commits under the new layout.
+        """
+        if self._plan_input is None or self._plan_input.get("replanned"):
+            return
+        if self._checkpoints_since_plan < REPLAN_AFTER_CHECKPOINTS:
+            return
+        nbytes, seconds = self._observed
+        rates = self.transport.all_gather_object(nbytes / seconds if seconds > 0 else None)
+        measured = [r for r in rates if r]
+        self._plan_input["replanned"] = True
+        if not measured:
+            return
+        rate = min(measured)
+        assumed = float(self._plan_input["cost"].get("copy_Bps", CostModel().copy_Bps))
+        if 0.8 <= rate / assumed <= 1.25:
+            return
+        self._resolve_commit()
+        self._plan_input["cost"]["copy_Bps"] = rate
+        self._save_plan_input(self._plan_input)
+        self.store.clear_versions()
+        self.committed = None
+        self._plan_from(
+            self._plan_input,
+            source=f"re-plan: snapshots copy at {rate / 1e9:.2f} GB/s, assumed {assumed / 1e9:.2f}",
+        )
 
     def _calibrate(self) -> dict[str, float]:
         """The cost model: configured values, else a ~1 s micro-benchmark on this machine."""
@@ -195,6 +236,9 @@ class CheckpointEngine:
         ranks = plan_input["ranks"]
         if plan_input.get("world_size") != self.topology.world_size:
             return
+        self._plan_input = plan_input
+        self._checkpoints_since_plan = 0
+        self._observed = (0, 0.0)
         bubbles = {r: _bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
         layouts = {r: _layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
         if layouts[self.rank] != self.layout():
@@ -304,6 +348,9 @@ class CheckpointEngine:
             self._profile.append(timeline.to_json())
             if iteration + 1 >= self.plan_iteration >= 0:
                 self._gather_and_plan()
+        elif v is not None and v.version == iteration:
+            self._checkpoints_since_plan += 1
+            self._maybe_replan()
 
     # ------------------------------------------------------------------ snapshot
     def _current(self, iteration: int) -> _Version | None:
@@ -354,6 +401,8 @@ class CheckpointEngine:
             v.exposed_s += elapsed
         else:
             v.in_bubble_s += elapsed
+        if timeline is not None:  # main-thread copies: what the planner's copy rate means
+            self._observed = (self._observed[0] + task.nbytes, self._observed[1] + elapsed)
         if timeline is not None:
             end = timeline.now()
             timeline.add(
