@@ -27,7 +27,6 @@ import base64
 import json
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,21 @@ from baft.config import TrainConfig
 from baft.engine.device import device_copy_for
 from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, SaveHandle
+from baft.engine.plan_input import (
+    PLAN_INPUT_FILE,
+    bmap_from_json,
+    bmap_to_json,
+    layout_from_json,
+    layout_to_json,
+    persist_name,
+)
 from baft.engine.redundancy import RedundancyExchange
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.cost import CostModel
 from baft.plan.planner import plan as make_plan
-from baft.plan.types import BubbleMap, CheckpointPlan, Slot, StateLayout, Task, TaskKind
+from baft.plan.types import CheckpointPlan, StateLayout, Task, TaskKind
 from baft.profile.bubbles import bubble_map
 from baft.profile.timeline import parse_record
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
@@ -53,7 +60,6 @@ from baft.store.shm import SnapshotStore
 from baft.train.mesh import Mesh
 from baft.train.trainer import StepRunner
 
-PLAN_INPUT_FILE = "plan_input.json"
 REPLAN_AFTER_CHECKPOINTS = 3
 """Checkpoints after which the measured snapshot copy rate is compared with the plan's."""
 
@@ -175,7 +181,7 @@ class CheckpointEngine:
         bmap = bubble_map(self.rank, records, skip=0)
         cost = self._calibrate() if self.rank == 0 else None
         gathered = self.transport.all_gather_object(
-            {"bubbles": _bmap_to_json(bmap), "layout": _layout_to_json(self.layout()), "cost": cost}
+            {"bubbles": bmap_to_json(bmap), "layout": layout_to_json(self.layout()), "cost": cost}
         )
         plan_input = {
             "ranks": [{k: v for k, v in g.items() if k != "cost"} for g in gathered],
@@ -239,8 +245,8 @@ class CheckpointEngine:
         self._plan_input = plan_input
         self._checkpoints_since_plan = 0
         self._observed = (0, 0.0)
-        bubbles = {r: _bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
-        layouts = {r: _layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
+        bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
+        layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
         if layouts[self.rank] != self.layout():
             raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
         plan = make_plan(
@@ -550,36 +556,3 @@ class CheckpointEngine:
         if self.persister is not None:
             self.persister.shutdown()
         self.store.close()
-
-
-def persist_name(flat_name: str) -> str:
-    """DCP key of a flat-state tensor: model params keep their plain FQN."""
-    return flat_name[len("model.") :] if flat_name.startswith("model.") else flat_name
-
-
-def _bmap_to_json(b: BubbleMap) -> dict[str, Any]:
-    return {"rank": b.rank, "iteration_s": b.iteration_s, "slots": [asdict(s) for s in b.slots]}
-
-
-def _bmap_from_json(d: dict[str, Any]) -> BubbleMap:
-    return BubbleMap(
-        rank=d["rank"], iteration_s=d["iteration_s"], slots=tuple(Slot(**s) for s in d["slots"])
-    )
-
-
-def _layout_to_json(layout: StateLayout) -> dict[str, Any]:
-    return {
-        "rank": layout.rank,
-        "replicas": list(layout.replicas),
-        "tensors": [[t.name, t.nbytes] for t in layout.tensors],
-    }
-
-
-def _layout_from_json(d: dict[str, Any]) -> StateLayout:
-    from baft.plan.types import TensorSpec
-
-    return StateLayout(
-        rank=d["rank"],
-        replicas=tuple(d["replicas"]),
-        tensors=tuple(TensorSpec(name=n, nbytes=b) for n, b in d["tensors"]),
-    )

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from baft.engine.engine import PLAN_INPUT_FILE, _bmap_from_json, _layout_from_json
+from baft.engine.plan_input import PLAN_INPUT_FILE, bmap_from_json, layout_from_json
 from baft.plan.cost import CostModel
 from baft.plan.planner import plan as make_plan
 from baft.plan.render import bubble_table, plan_table, plan_to_dict
@@ -53,8 +53,8 @@ def run_plan_from_run(args: argparse.Namespace) -> int:
         persist_every=ck.get("persist_every", 50),
         on_overflow=ck.get("on_overflow", "spill"),
     )
-    bubbles = {r: _bmap_from_json(d["bubbles"]) for r, d in enumerate(data["ranks"])}
-    layouts = {r: _layout_from_json(d["layout"]) for r, d in enumerate(data["ranks"])}
+    bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(data["ranks"])}
+    layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(data["ranks"])}
     cost = CostModel.from_measurements(data.get("cost") or {})
     plan = make_plan(bubbles, layouts, cost, policy)
     placement = task_placement(run_dir)

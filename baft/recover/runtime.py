@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from baft.config import TrainConfig
-from baft.engine.engine import CheckpointEngine, persist_name
+from baft.engine.engine import CheckpointEngine
 from baft.engine.persister import list_versions, load_version
+from baft.engine.plan_input import persist_name
 from baft.recover.coordinator import RecoveryPlan, coordinate
 from baft.store.manifest import RankInventory
 from baft.train.mesh import Mesh
