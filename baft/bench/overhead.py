@@ -465,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         if raw is not None:
             raw["wall_s"] = time.time() - start
             (Path(bcfg.out_dir) / RAW_FILE).write_text(json.dumps(raw) + "\n")
+        dist.barrier()  # leave together: a gloo peer torn down early can abort the other
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
     try:
         run(cfg)
+        dist.barrier()  # leave together: a gloo peer torn down early can abort the other
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
