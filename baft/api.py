@@ -28,7 +28,7 @@ from torch.distributed.pipelining import PipelineStage
 from baft.config import CheckpointConfig, TrainConfig
 from baft.topology import Topology
 from baft.train.launch import default_job_id
-from baft.train.mesh import Mesh, pick_device
+from baft.train.mesh import Mesh, mesh_view, pick_device
 from baft.train.trainer import StepRunner
 
 
@@ -49,17 +49,7 @@ def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:
     topo = Topology(
         num_pp=sizes["pp"], num_dp=sizes["dp"], num_tp=sizes["tp"], ranks_per_node=ranks_per_node
     )
-    rank = dist.get_rank()
-    return Mesh(
-        rank=rank,
-        topology=topo,
-        coords=topo.coords(rank),
-        device=device,
-        mesh=device_mesh,
-        pp_group=device_mesh["pp"].get_group(),
-        dp_group=device_mesh["dp"].get_group(),
-        tp_mesh=device_mesh["tp"],
-    )
+    return mesh_view(device_mesh, topo, device)
 
 
 class Protected:

@@ -16,6 +16,7 @@ import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from baft.plan.bounds import Exposure, groups_lower_bound, level_split, validate_inputs
 from baft.plan.cost import CostModel, cut_sizes, slot_bytes, tail_bytes
@@ -128,6 +129,8 @@ def _shares(
 
 
 _Built = dict[int, tuple[_Rank, tuple[Chunk, ...], int, int]]
+_Placed = tuple[list[float], list[list[Task]], list[Task], tuple[Chunk, ...]]
+"""A rank's state right after snapshot placement: cap, slot tasks, spilled, chunks."""
 
 
 def _build(
@@ -146,15 +149,37 @@ def _build(
             _reserve_sends(works[r], [n for _, n in pairs], cost, policy)
     out: _Built = {}
     snap_rate = cost.copy_Bps
+    # At cluster scale most replica groups are identical (same stage, same bubbles, same
+    # layout: every tp rank of a pp stage): place each distinct group once, copy the rest.
+    memo: dict[tuple[Any, ...], tuple[list[int], list[_Placed]]] = {}
     for group in groups:
-        shares = _shares(layouts[group[0]], [works[r] for r in group], cost, policy)
+        members = [works[r] for r in group]
+        key = (
+            layouts[group[0]].tensors,
+            tuple(
+                (w.slot_ids, tuple(w.cap), w.usable, w.sendable, tuple(w.sends)) for w in members
+            ),
+        )
+        hit = memo.get(key)
+        if hit is None:
+            shares = _shares(layouts[group[0]], members, cost, policy)
+            placed: list[_Placed] = []
+            start = next_id = 0
+            for w, share in zip(members, shares, strict=True):
+                chunks = _place_snapshots(w, start, start + share, next_id, snap_rate, cost, policy)
+                placed.append(
+                    (list(w.cap), [list(ts) for ts in w.slot_tasks], list(w.spilled), chunks)
+                )
+                next_id += len(chunks)
+                start += share
+            memo[key] = (shares, placed)
+        else:
+            shares, placed = hit
+            for w, (cap, slot_tasks, spilled, _) in zip(members, placed, strict=True):
+                w.cap, w.spilled = list(cap), list(spilled)
+                w.slot_tasks = [list(ts) for ts in slot_tasks]
         start = 0
-        next_id = 0
-        for r, share in zip(group, shares, strict=True):
-            chunks = _place_snapshots(
-                works[r], start, start + share, next_id, snap_rate, cost, policy
-            )
-            next_id += len(chunks)
+        for r, share, (_, _, _, chunks) in zip(group, shares, placed, strict=True):
             out[r] = (works[r], chunks, start, start + share)
             start += share
     for r, (w, _, _, _) in out.items():

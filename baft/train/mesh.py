@@ -60,6 +60,11 @@ def init_mesh(parallel: ParallelConfig, timeout_s: float = 120.0) -> Mesh:
         (parallel.num_pp, parallel.num_dp, parallel.num_tp),
         mesh_dim_names=("pp", "dp", "tp"),
     )
+    return mesh_view(mesh, topo, device)
+
+
+def mesh_view(mesh: DeviceMesh, topo: Topology, device: torch.device) -> Mesh:
+    """This rank's :class:`Mesh` over a (pp, dp, tp) DeviceMesh."""
     rank = dist.get_rank()
     return Mesh(
         rank=rank,
