@@ -42,7 +42,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``baft bench {overhead,recovery,scale}``."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: checkpoint overhead side by side (recovery, scale: not yet)",
+        help="benchmarks: checkpoint overhead side by side, recovery memory vs disk, simulated scale",
         description="Rerunnable benchmarks whose results go to benchmarks/results/.",
     )
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")

@@ -22,8 +22,6 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
 from baft.train.launch import launch
 
@@ -124,6 +122,8 @@ def _state_bytes(run: Path) -> list[int]:
 
 
 def _markdown(result: dict[str, Any], a: argparse.Namespace) -> str:
+    import torch  # lazy: `baft --help` should not pay for importing torch
+
     cmd = (
         f"baft bench recovery --layers {a.layers} --d-model {a.d_model} "
         f"--iterations {a.iterations} --persist-every {a.persist_every}"
