@@ -221,6 +221,7 @@ class CheckpointEngine:
         if 0.8 <= rate / assumed <= 1.25:
             return
         self._resolve_commit()
+        self._quiesce()
         self._plan_input["cost"]["copy_Bps"] = rate
         self._save_plan_input(self._plan_input)
         self.store.clear_versions()
@@ -370,6 +371,7 @@ class CheckpointEngine:
         self._resolve_commit()
         self._protect_persisted_slot()
         if not self.store.path.exists():  # store lost under a live rank: start it afresh
+            self._quiesce()
             self.store.allocate(self.store.data_view(0).size, self.store.red_view(0).size)
         slot = self.store.begin(iteration)
         data = torch.from_numpy(self.store.data_view(slot))
@@ -521,6 +523,14 @@ class CheckpointEngine:
                 raw = data[off - rp.owned_start : off - rp.owned_start + n]
                 out[persist_name(name)] = raw.view(t.dtype).view(t.shape)
         return out
+
+    def _quiesce(self) -> None:
+        """Nothing may still read the store's mappings: they are about to be replaced
+        (a resized file under a live mapping is a SIGBUS for its reader)."""
+        self.worker.drain()
+        if self._persist is not None:
+            self._persist[1].wait()
+            self._persist = None
 
     def _protect_persisted_slot(self) -> None:
         """Never overwrite a slot the persister is still reading."""
