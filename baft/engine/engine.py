@@ -203,8 +203,9 @@ class CheckpointEngine:
         snapshots gather many tensors next to a computing neighbour, 2-4x slower here).
 
         Collective: every rank reaches it at the same iteration. The measured rate is the
-        slowest rank's. A new plan may move shard boundaries, so every store forgets its
-        versions; the next checkpoint commits under the new layout.
+        slowest rank's. If the new plan moves a shard boundary (the same decision on every
+        rank: the plan is deterministic), every store forgets its versions and the next
+        checkpoint commits under the new layout; otherwise the stored versions stay valid.
         """
         if self._plan_input is None or self._plan_input.get("replanned"):
             return
@@ -224,12 +225,16 @@ class CheckpointEngine:
         self._quiesce()
         self._plan_input["cost"]["copy_Bps"] = rate
         self._save_plan_input(self._plan_input)
-        self.store.clear_versions()
-        self.committed = None
+        assert self.plan is not None
+        before = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
         self._plan_from(
             self._plan_input,
             source=f"re-plan: snapshots copy at {rate / 1e9:.2f} GB/s, assumed {assumed / 1e9:.2f}",
         )
+        after = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
+        if after != before:  # shard layout moved: old versions must not mix with new ones
+            self.store.clear_versions()
+            self.committed = None
 
     def _calibrate(self) -> dict[str, float]:
         """The cost model: configured values, else a ~1 s micro-benchmark on this machine."""
