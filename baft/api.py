@@ -66,6 +66,7 @@ class Protected:
         self.mesh = mesh
         self.engine: Any = None
         self._t_launch = time.time()
+        self._reported = False
 
     def restore(self) -> int:
         """Open the stores, recover the newest rebuildable version; returns the start iteration."""
@@ -88,7 +89,7 @@ class Protected:
             # lets a later recovery count the iterations it loses
             (Path(self.cfg.out_dir) / "progress.json").write_text(f'{{"iteration": {iteration}}}')
         if self.engine is not None and self.engine.recovery is not None:
-            if not getattr(self, "_reported", False):
+            if not self._reported:
                 self.engine.recovery.first_iteration_done(self.mesh.rank == 0)
                 self._reported = True
         return res.loss

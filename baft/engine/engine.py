@@ -23,7 +23,6 @@ Lifecycle (all ranks in lock-step, driven by the trainer's :class:`StepHooks`):
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 import time
@@ -75,7 +74,6 @@ class _Version:
         self.done: set[int] = set()
         self.covered = 0
         self.checksums: dict[int, int] = {}
-        self.snapshot_done = False
         self.in_bubble_s = 0.0
         self.exposed_s = 0.0
         self.snapshot_bytes = 0
@@ -140,6 +138,8 @@ class CheckpointEngine:
         self._slot_tasks: dict[str, list[tuple[Task, tuple[Piece, ...]]]] = {}
         self._all_tasks: list[tuple[Task, tuple[Piece, ...]]] = []
         self._chunk_by_offset: dict[int, tuple[int, int]] = {}
+        """Shard offset of a chunk -> (chunk id, end offset)."""
+        self._owned_start = 0
         self._profile: list[dict[str, Any]] = []
         self._cur: _Version | None = None
         self._pending_commit: tuple[int, Any, torch.Tensor] | None = None
@@ -278,6 +278,7 @@ class CheckpointEngine:
                     self._slot_tasks.setdefault(slot_id, []).append(entry)
                     self._all_tasks.append(entry)
         self._all_tasks.sort(key=lambda e: e[0].offset)
+        self._owned_start = rp.owned_start
         self._chunk_by_offset = {
             t.offset - rp.owned_start: (t.chunk_id, t.offset - rp.owned_start + t.nbytes)
             for t, _ in self._all_tasks
@@ -333,7 +334,6 @@ class CheckpointEngine:
                 if task.chunk_id not in v.done:
                     self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
             self.copier.synchronize()
-            v.snapshot_done = True
         self._fire("step", iteration)
 
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
@@ -397,8 +397,7 @@ class CheckpointEngine:
         exposed: bool,
     ) -> None:
         start = time.perf_counter()
-        owned_start = self.plan.ranks[self.rank].owned_start  # type: ignore[union-attr]
-        lo = task.offset - owned_start
+        lo = task.offset - self._owned_start
         out = v.data[lo : lo + task.nbytes]
         self.flat.read_into(pieces, out, self.copier)
         self.copier.synchronize()
@@ -432,8 +431,8 @@ class CheckpointEngine:
         """Worker: checksum one snapshotted chunk, send the redundancy pieces it completes."""
         v.checksums[chunk_id] = checksum(out.numpy())
         v.protected.add(chunk_id)
-        while v.covered < v.data.numel() and self._chunk_at(v.covered) in v.protected:
-            v.covered = self._chunk_end(v.covered)
+        while (nxt := self._chunk_by_offset.get(v.covered)) and nxt[0] in v.protected:
+            v.covered = nxt[1]
         if self.exchange is not None:
             for piece in self.exchange.take_sends(v.covered):
                 self.exchange.send_now(piece)
@@ -447,12 +446,6 @@ class CheckpointEngine:
         assert v.snapshot_event is not None
         v.snapshot_event.set()
 
-    def _chunk_at(self, shard_offset: int) -> int:
-        return self._chunk_by_offset.get(shard_offset, (-1, shard_offset))[0]
-
-    def _chunk_end(self, shard_offset: int) -> int:
-        return self._chunk_by_offset.get(shard_offset, (-1, shard_offset))[1]
-
     # ------------------------------------------------------------------ commit
     def _complete(self, v: _Version, iteration: int) -> None:
         assert self.plan is not None and self.group_layout is not None
@@ -464,7 +457,6 @@ class CheckpointEngine:
         regions = region_records(v.red.numpy(), self.group_layout.regions(self.rank))
         meta = {
             "position": iteration,
-            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
             "flat_nbytes": self.flat.nbytes,
         }
         manifest = Manifest.for_layout(

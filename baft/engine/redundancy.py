@@ -78,10 +78,6 @@ class RedundancyExchange:
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    @property
-    def num_pieces(self) -> int:
-        return len(self.sends) + len(self.recvs)
-
     def begin(self, data: torch.Tensor, red: torch.Tensor) -> None:
         """Start a version: remember its buffers, zero parity padding, post every receive."""
         self._data, self._red = data, red
@@ -123,25 +119,11 @@ class RedundancyExchange:
         ).wait()
         self.bytes_sent += p.nbytes
 
-    def post_sends(self, covered: int) -> int:
-        """Post the sends whose bytes lie within the first ``covered`` shard bytes."""
-        assert self._data is not None
-        posted = 0
-        while self._next_send < len(self.sends):
-            p = self.sends[self._next_send]
-            if p.src_offset + p.nbytes > covered:
-                break
-            src = self._data[p.src_offset : p.src_offset + p.nbytes]
-            self._handles.append(self.transport.isend(src, p.dst, p.tag))
-            self.bytes_sent += p.nbytes
-            self._next_send += 1
-            posted += p.nbytes
-        return posted
-
     def finish(self) -> int:
-        """Post what is left, wait for every piece, encode staged regions; returns bytes encoded."""
+        """Send what is left, wait for every piece, encode staged regions; returns bytes encoded."""
         assert self._data is not None and self._red is not None
-        self.post_sends(self._data.numel())
+        for p in self.take_sends(self._data.numel()):  # normally none: the worker sent them
+            self.send_now(p)
         for h in self._handles:
             h.wait()
         self._handles = []
