@@ -13,12 +13,20 @@ otherwise; with a longer interval they use the next iteration's bubbles freely.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from baft.plan.bounds import Exposure, groups_lower_bound, level_split, validate_inputs
+from baft.plan.bounds import (
+    Exposure,
+    Interner,
+    groups_lower_bound,
+    level_split,
+    validate_inputs,
+)
 from baft.plan.cost import CostModel, cut_sizes, slot_bytes, tail_bytes
 from baft.plan.render import ms, plan_reason
 from baft.plan.types import (
@@ -50,8 +58,6 @@ class _Rank:
     spilled: list[Task] = field(default_factory=list)
     sends: list[tuple[int, int, int, int]] = field(default_factory=list)
     """Reserved SEND pieces (slot index or -1 = spilled, stream, offset, nbytes)."""
-    exposure_s: float = 0.0
-    """Exposed seconds per checkpoint (spill + interference)."""
 
 
 def plan(
@@ -65,8 +71,38 @@ def plan(
 
     ``transfers[rank]`` lists the redundancy bytes ``(peer, nbytes)`` the rank sends per
     checkpoint; a SEND reads only the rank's own snapshot of that version. Raises
-    ``ValueError`` with the fix when the inputs disagree.
+    ``ValueError`` with the fix when the inputs disagree. Ranks with identical inputs
+    share their task tuples and slot dicts: treat the plan as read-only.
     """
+    with _gc_paused():
+        return _plan(bubbles, layouts, cost, policy, transfers)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while planning.
+
+    A 4096-rank plan allocates ~10^5 small objects and no reference cycles; the collector
+    would scan the whole process heap (a training job's, here) several times over, which
+    measured as more than half of the planner's time at 4096 ranks. Reference counting
+    still frees everything; the previous GC state is restored on the way out.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    transfers: Transfers | None,
+) -> CheckpointPlan:
     groups = validate_inputs(bubbles, layouts, transfers)
     interval = policy.every
     built = _build(bubbles, layouts, groups, cost, policy, transfers, interval)
@@ -76,14 +112,15 @@ def plan(
     ranks = {
         r: RankPlan(
             rank=r,
-            owned=chunks,
-            owned_start=start,
-            owned_stop=stop,
-            tasks={sid: tuple(ts) for sid, ts in zip(w.slot_ids, w.slot_tasks, strict=True) if ts},
-            spilled=tuple(w.spilled),
-            exposed_s=w.exposure_s / interval,
+            owned=p.chunks,
+            owned_start=p.start,
+            owned_stop=p.stop,
+            tasks=p.tasks,
+            spilled=p.spilled,
+            exposed_s=p.exposure_s / interval,
+            peers=tuple(peer for peer, _ in transfers.get(r, ())) if transfers else (),
         )
-        for r, (w, chunks, start, stop) in sorted(built.items())
+        for r, p in sorted(built.items())
     }
     exposed = max((rp.exposed_s for rp in ranks.values()), default=0.0)
     bound = groups_lower_bound(bubbles, layouts, groups, cost, policy, transfers, interval)
@@ -128,9 +165,20 @@ def _shares(
     return shares
 
 
-_Built = dict[int, tuple[_Rank, tuple[Chunk, ...], int, int]]
-_Placed = tuple[list[float], list[list[Task]], list[Task], tuple[Chunk, ...]]
-"""A rank's state right after snapshot placement: cap, slot tasks, spilled, chunks."""
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """One rank's finished work for one checkpoint; identical ranks share one."""
+
+    tasks: dict[str, tuple[Task, ...]]
+    spilled: tuple[Task, ...]
+    chunks: tuple[Chunk, ...]
+    start: int
+    stop: int
+    exposure_s: float
+    """Exposed seconds per checkpoint (spill + interference)."""
+
+
+_Built = dict[int, _Placed]
 
 
 def _build(
@@ -142,51 +190,78 @@ def _build(
     transfers: Transfers | None,
     interval: int,
 ) -> _Built:
-    """Place every rank's work for one checkpoint at the given interval."""
-    works = {r: _new_rank(bubbles[r], policy) for r in layouts}
-    if interval == 1 and transfers:
-        for r, pairs in transfers.items():
-            _reserve_sends(works[r], [n for _, n in pairs], cost, policy)
+    """Place every rank's work for one checkpoint at the given interval.
+
+    At cluster scale most replica groups are identical (every tp rank of a pp stage has
+    the same bubbles, layout and send sizes; SENDs name their peer by stream index):
+    each distinct group is planned once and its results are shared, so 4096 ranks cost
+    little more than the handful of distinct stages.
+    """
+    slots_key, tensors_key = Interner(), Interner()
+    memo: dict[tuple[Any, ...], list[_Placed]] = {}
     out: _Built = {}
-    snap_rate = cost.copy_Bps
-    # At cluster scale most replica groups are identical (same stage, same bubbles, same
-    # layout: every tp rank of a pp stage): place each distinct group once, copy the rest.
-    memo: dict[tuple[Any, ...], tuple[list[int], list[_Placed]]] = {}
     for group in groups:
-        members = [works[r] for r in group]
+        streams = [tuple(n for _, n in transfers.get(r, ())) if transfers else () for r in group]
         key = (
-            layouts[group[0]].tensors,
-            tuple(
-                (w.slot_ids, tuple(w.cap), w.usable, w.sendable, tuple(w.sends)) for w in members
-            ),
+            tensors_key(layouts[group[0]].tensors),
+            tuple(zip([slots_key(bubbles[r].slots) for r in group], streams, strict=True)),
         )
-        hit = memo.get(key)
-        if hit is None:
-            shares = _shares(layouts[group[0]], members, cost, policy)
-            placed: list[_Placed] = []
-            start = next_id = 0
-            for w, share in zip(members, shares, strict=True):
-                chunks = _place_snapshots(w, start, start + share, next_id, snap_rate, cost, policy)
-                placed.append(
-                    (list(w.cap), [list(ts) for ts in w.slot_tasks], list(w.spilled), chunks)
-                )
-                next_id += len(chunks)
-                start += share
-            memo[key] = (shares, placed)
-        else:
-            shares, placed = hit
-            for w, (cap, slot_tasks, spilled, _) in zip(members, placed, strict=True):
-                w.cap, w.spilled = list(cap), list(spilled)
-                w.slot_tasks = [list(ts) for ts in slot_tasks]
-        start = 0
-        for r, share, (_, _, _, chunks) in zip(group, shares, placed, strict=True):
-            out[r] = (works[r], chunks, start, start + share)
-            start += share
-    for r, (w, _, _, _) in out.items():
-        pairs = list(transfers.get(r, ())) if transfers else []
-        _finish_sends(w, [n for _, n in pairs], [p for p, _ in pairs], cost, policy, interval)
+        placed = memo.get(key)
+        if placed is None:
+            members = [bubbles[r] for r in group]
+            placed = _place_group(members, layouts[group[0]], streams, cost, policy, interval)
+            memo[key] = placed
+        out.update(zip(group, placed, strict=True))
+    return out
+
+
+def _place_group(
+    bubbles: Sequence[BubbleMap],
+    layout: StateLayout,
+    streams: Sequence[tuple[int, ...]],
+    cost: CostModel,
+    policy: CheckpointPolicy,
+    interval: int,
+) -> list[_Placed]:
+    """Split, chunk and place one replica group's snapshot work, then its SENDs."""
+    works = [_new_rank(b, policy) for b in bubbles]
+    if interval == 1:
+        for w, sizes in zip(works, streams, strict=True):
+            _reserve_sends(w, sizes, cost, policy)
+    shares = _shares(layout, works, cost, policy)
+    out: list[_Placed] = []
+    start = next_id = 0
+    # Replicas with the same bubbles and shares send the same pieces: place them once.
+    sends_memo: dict[tuple[Any, ...], list[tuple[int, Task]]] = {}
+    for w, share, sizes in zip(works, shares, streams, strict=True):
+        chunks = _place_snapshots(w, start, start + share, next_id, cost.copy_Bps, cost, policy)
+        key = (
+            tuple(w.cap),
+            tuple(w.sends),
+            tuple(bool(ts) for ts in w.slot_tasks),
+            bool(w.spilled),
+            sizes,
+        )
+        sends = sends_memo.get(key)
+        if sends is None:
+            sends = sends_memo[key] = _send_tasks(w, sizes, cost, policy, interval)
+        for j, task in sends:
+            (w.spilled if j < 0 else w.slot_tasks[j]).append(task)
         in_bubble = sum(t.est_s for ts in w.slot_tasks for t in ts if t.kind is TaskKind.SNAPSHOT)
-        w.exposure_s = sum(t.est_s for t in w.spilled) + cost.interference * in_bubble
+        out.append(
+            _Placed(
+                tasks={
+                    sid: tuple(ts) for sid, ts in zip(w.slot_ids, w.slot_tasks, strict=True) if ts
+                },
+                spilled=tuple(w.spilled),
+                chunks=chunks,
+                start=start,
+                stop=start + share,
+                exposure_s=sum(t.est_s for t in w.spilled) + cost.interference * in_bubble,
+            )
+        )
+        next_id += len(chunks)
+        start += share
     return out
 
 
@@ -337,7 +412,6 @@ def _snap_task(chunk_id: int, start: int, size: int, cost: CostModel) -> Task:
         chunk_id,
         size,
         cost.task_overhead_s + size / cost.copy_Bps,
-        None,
         0,
         0,
         start,
@@ -388,17 +462,17 @@ def _reserve_sends(
     w.sends = sorted(pieces, key=lambda p: (p[1], p[2]))
 
 
-def _finish_sends(
+def _send_tasks(
     w: _Rank,
     streams: Sequence[int],
-    peers: Sequence[int],
     cost: CostModel,
     policy: CheckpointPolicy,
     interval: int,
-) -> None:
-    """Turn SEND reservations (interval 1) or fresh placements (interval >= 2) into tasks."""
+) -> list[tuple[int, Task]]:
+    """SEND reservations (interval 1) or fresh placements (interval >= 2) as (slot index
+    or -1 = spilled, task). Uses ``w.cap`` up (interval >= 2); adds no tasks to ``w``."""
     if not streams:
-        return
+        return []
     snap_slots = [j for j, ts in enumerate(w.slot_tasks) if ts]
     last_snap = snap_slots[-1] if snap_slots else 0
     snap_spilled = bool(w.spilled)
@@ -423,6 +497,7 @@ def _finish_sends(
                     offset += take
     piece = 0
     mx, mn = policy.max_chunk_bytes, policy.min_chunk_bytes
+    out: list[tuple[int, Task]] = []
     for j, lag, stream, offset, take in sorted(placed, key=lambda p: (p[2], p[3])):
         for size in cut_sizes(take, mx, mn):
             task = Task(
@@ -430,14 +505,14 @@ def _finish_sends(
                 chunk_id=piece,
                 nbytes=size,
                 est_s=cost.seconds(TaskKind.SEND, size),
-                peer=peers[stream],
                 lag=lag,
                 stream=stream,
                 offset=offset,
             )
-            (w.spilled if j < 0 else w.slot_tasks[j]).append(task)
+            out.append((j, task))
             piece += 1
             offset += size
+    return out
 
 
 def _stretch(
@@ -458,12 +533,12 @@ def _stretch(
             "profile real iterations or use on_overflow='spill'"
         )
     target = policy.target_overhead * iteration_s
-    worst = max((w.exposure_s for w, _, _, _ in built.values()), default=0.0)
+    worst = max((p.exposure_s for p in built.values()), default=0.0)
     if worst / policy.every <= target:
         return policy.every, built, ""
     if policy.every == 1:
         built = _build(bubbles, layouts, groups, cost, policy, transfers, 2)
-        worst = max((w.exposure_s for w, _, _, _ in built.values()), default=0.0)
+        worst = max((p.exposure_s for p in built.values()), default=0.0)
     interval = max(2, policy.every, math.ceil(worst / target - 1e-12))
     note = (
         f" (stretched from every {policy.every}: the bubbles cannot hold one checkpoint, "

@@ -32,12 +32,17 @@ __all__ = [
 ]
 
 
-def summarize_tasks(tasks: Sequence[Task]) -> str:
-    """E.g. "snapshot x3 (c4-c6), send x2 ->17 lag1"."""
+def _peer(t: Task, peers: Sequence[int]) -> int | None:
+    """The rank a SEND goes to (None for other tasks or without ``peers``)."""
+    return peers[t.stream] if t.kind is TaskKind.SEND and t.stream < len(peers) else None
+
+
+def summarize_tasks(tasks: Sequence[Task], peers: Sequence[int] = ()) -> str:
+    """E.g. "snapshot x3 (c4-c6), send x2 ->17 lag1" (``peers``: ``RankPlan.peers``)."""
     parts: list[str] = []
     groups: dict[tuple[str, int | None, int], list[Task]] = {}
     for t in tasks:
-        groups.setdefault((t.kind.value, t.peer, t.lag), []).append(t)
+        groups.setdefault((t.kind.value, _peer(t, peers), t.lag), []).append(t)
     for (kind, peer, lag), ts in groups.items():
         text = f"{kind} x{len(ts)}"
         if kind == "snapshot":
@@ -67,7 +72,7 @@ def _rank_rows(rp: RankPlan, bubble: BubbleMap, max_slots: int | None) -> list[t
                 f"{slot.idle_s * 1e3:.3f}",
                 f"{used * 1e3:.3f}",
                 fmt_bytes(sum(t.nbytes for t in tasks)) if tasks else "",
-                summarize_tasks(tasks),
+                summarize_tasks(tasks, rp.peers),
             )
         )
     if hidden:
@@ -79,7 +84,7 @@ def _rank_rows(rp: RankPlan, bubble: BubbleMap, max_slots: int | None) -> list[t
                 f"{sum(s.idle_s for s in hidden) * 1e3:.3f}",
                 f"{sum(t.est_s for t in rest) * 1e3:.3f}",
                 fmt_bytes(sum(t.nbytes for t in rest)) if rest else "",
-                summarize_tasks(rest),
+                summarize_tasks(rest, rp.peers),
             )
         )
     spill_s = sum(t.est_s for t in rp.spilled)
@@ -90,7 +95,7 @@ def _rank_rows(rp: RankPlan, bubble: BubbleMap, max_slots: int | None) -> list[t
             "",
             f"{spill_s * 1e3:.3f}",
             fmt_bytes(sum(t.nbytes for t in rp.spilled)) if rp.spilled else "",
-            summarize_tasks(rp.spilled),
+            summarize_tasks(rp.spilled, rp.peers),
         )
     )
     return rows
@@ -131,13 +136,13 @@ def plan_table(
     return "\n".join(lines)
 
 
-def _task_dict(t: Task) -> dict[str, Any]:
+def _task_dict(t: Task, peers: Sequence[int]) -> dict[str, Any]:
     return {
         "kind": t.kind.value,
         "chunk_id": t.chunk_id,
         "nbytes": t.nbytes,
         "est_s": t.est_s,
-        "peer": t.peer,
+        "peer": _peer(t, peers),
         "lag": t.lag,
         "stream": t.stream,
         "offset": t.offset,
@@ -156,8 +161,11 @@ def plan_to_dict(plan: CheckpointPlan) -> dict[str, Any]:
                 "owned_start": rp.owned_start,
                 "owned_stop": rp.owned_stop,
                 "owned": [[c.chunk_id, c.start, c.stop] for c in rp.owned],
-                "tasks": {sid: [_task_dict(t) for t in ts] for sid, ts in rp.tasks.items()},
-                "spilled": [_task_dict(t) for t in rp.spilled],
+                "tasks": {
+                    sid: [_task_dict(t, rp.peers) for t in ts] for sid, ts in rp.tasks.items()
+                },
+                "spilled": [_task_dict(t, rp.peers) for t in rp.spilled],
+                "peers": list(rp.peers),
                 "exposed_s": rp.exposed_s,
             }
             for r, rp in sorted(plan.ranks.items())

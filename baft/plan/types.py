@@ -125,12 +125,12 @@ class Task:
     """Bytes moved."""
     est_s: float
     """Cost-model estimate in seconds."""
-    peer: int | None = None
-    """Destination (SEND) or source (RECV) rank."""
     lag: int = 0
     """0: runs in iteration v for version v; 1: in iteration v+1 (never for SNAPSHOT)."""
     stream: int = 0
-    """SEND: index of the transfer in ``transfers[rank]`` this piece belongs to."""
+    """SEND: index of the transfer in ``transfers[rank]`` this piece belongs to; its
+    destination is ``RankPlan.peers[stream]`` (tasks name no rank, so identical ranks share
+    them)."""
     offset: int = 0
     """SNAPSHOT: chunk start in the group's flat state. SEND: byte offset in the transfer."""
 
@@ -153,6 +153,8 @@ class RankPlan:
     """Tasks that fit no bubble: run synchronously right before optimizer.step."""
     exposed_s: float
     """Predicted exposed seconds per iteration (per-checkpoint cost / interval)."""
+    peers: tuple[int, ...] = ()
+    """Destination rank of each SEND stream (``Task.stream`` indexes it)."""
 
 
 @dataclass(frozen=True, slots=True)

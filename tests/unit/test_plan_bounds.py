@@ -172,7 +172,7 @@ def check_plan(
         assert sorted(seen) == sorted(chunks)  # each owned chunk snapshotted exactly once
         for stream, (peer, nbytes) in enumerate(transfers.get(r, ())):
             pieces = sorted(
-                (t.offset, t.nbytes, t.peer)
+                (t.offset, t.nbytes, rp.peers[t.stream])
                 for t in all_tasks
                 if t.kind is TaskKind.SEND and t.stream == stream
             )

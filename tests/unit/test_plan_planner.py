@@ -121,9 +121,10 @@ def test_sends_every_iteration_after_snapshots_never_in_collectives() -> None:
     assert [t.kind for t in tasks["w0"]] == [TaskKind.SNAPSHOT]
     assert "w1" not in tasks
     sends = tasks["pre_step"]
-    assert [(t.kind, t.peer, t.lag, t.nbytes, t.offset, t.stream) for t in sends] == [
-        (TaskKind.SEND, 5, 0, MiB, 0, 0)
+    assert [(t.kind, t.lag, t.nbytes, t.offset, t.stream) for t in sends] == [
+        (TaskKind.SEND, 0, MiB, 0, 0)
     ]
+    assert p.ranks[0].peers == (5,)
     assert p.exposed_s == 0.0
 
 
@@ -221,6 +222,50 @@ def test_plans_4096_ranks_completely() -> None:
     assert len(p.ranks) == 4096
     check_complete(p, layouts)
     assert p.exposed_s == 0.0 and p.lower_bound_s == 0.0
+
+
+def test_identical_groups_share_tasks_and_match_planning_them_alone() -> None:
+    """The memo that makes 4096 ranks fast must not change any rank's plan."""
+    topo = Topology(num_pp=2, num_dp=2, num_tp=2, ranks_per_node=2)
+    tensors = tuple(TensorSpec(name=f"t{k}", nbytes=(1 + k % 3) * MiB) for k in range(9))
+    layouts, bubbles, transfers = {}, {}, {}
+    for r in range(topo.world_size):
+        c = topo.coords(r)
+        layouts[r] = StateLayout(rank=r, tensors=tensors, replicas=topo.replicas(r))
+        # tp ranks of one stage have equal bubbles (fresh objects); stages and dp differ
+        idles = [1.0 + c.pp + 0.5 * c.dp, 2.0, 0.5 * (1 + c.pp)]
+        bubbles[r] = bubble(r, idles)
+        transfers[r] = ((r ^ 1, (2 + c.pp) * MiB),)
+    whole = plan(bubbles, layouts, UNIT, POLICY, transfers=transfers)
+    for group in {layouts[r].replicas for r in layouts}:
+        sub = {r: bubbles[r] for r in group}
+        alone = plan(
+            sub, {r: layouts[r] for r in group}, UNIT, POLICY, {r: transfers[r] for r in group}
+        )
+        for r in group:
+            assert whole.ranks[r] == alone.ranks[r]
+    a, b = topo.rank_of(pp=1, dp=0, tp=0), topo.rank_of(pp=1, dp=0, tp=1)
+    assert whole.ranks[a].tasks is whole.ranks[b].tasks  # shared, not copied
+    assert whole.ranks[a].peers == (a ^ 1,) and whole.ranks[b].peers == (b ^ 1,)
+    assert whole.ranks[a].tasks != whole.ranks[topo.rank_of(pp=1, dp=1, tp=0)].tasks
+
+
+def test_plan_restores_the_garbage_collector_state() -> None:
+    import gc
+
+    layouts, bubbles, transfers = big_instance(num_pp=2, num_dp=4)
+    assert gc.isenabled()
+    plan(bubbles, layouts, CostModel(), CheckpointPolicy(), transfers=transfers)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan(bubbles, layouts, CostModel(), CheckpointPolicy(), transfers=transfers)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError):
+        plan(bubbles, {}, CostModel(), CheckpointPolicy())
+    assert gc.isenabled()
 
 
 def test_owner_boundaries_snap_to_tensor_boundaries() -> None:

@@ -48,9 +48,10 @@ def test_summaries_and_json() -> None:
     tasks = (
         Task(kind=TaskKind.SNAPSHOT, chunk_id=4, nbytes=1, est_s=0.1),
         Task(kind=TaskKind.SNAPSHOT, chunk_id=5, nbytes=1, est_s=0.1),
-        Task(kind=TaskKind.SEND, chunk_id=0, nbytes=1, est_s=0.1, peer=17, lag=1),
+        Task(kind=TaskKind.SEND, chunk_id=0, nbytes=1, est_s=0.1, lag=1, stream=1),
     )
-    assert summarize_tasks(tasks) == "snapshot x2 (c4-c5), send x1 ->17 lag1"
+    assert summarize_tasks(tasks, (9, 17)) == "snapshot x2 (c4-c5), send x1 ->17 lag1"
+    assert summarize_tasks(tasks) == "snapshot x2 (c4-c5), send x1 lag1"
     assert (
         fmt_bytes(0) == "0 B" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 << 30) == "3.0 GiB"
     )
