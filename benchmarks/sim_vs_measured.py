@@ -1,13 +1,28 @@
-"""Simulator vs real CPU runs: per-rank blocked time predicted from measured stage times.
+"""Simulator vs real CPU runs: per-rank blocked time predicted from measured compute.
 
-    .venv/bin/python benchmarks/sim_vs_measured.py [--iterations 14]
+    .venv/bin/python benchmarks/sim_vs_measured.py [--iterations 30] [--compute real]
 
 For each layout one real `baft train --no-checkpoint --dp 1` launch (2 ranks unless
-stated); from its timelines: median forward and backward seconds of each stage's
-microbatch, median optimizer seconds and the median gap between a sender's compute and
-the receiver's start (p2p). Those feed ``baft.sim.simulate``; its per-rank blocked
-seconds are compared with the measured medians (iterations 4..end).
-Writes benchmarks/results/sim-vs-measured-<date>.md.
+stated). From its timelines (iterations 4..end) every F and B of every rank gets its busy
+time: from the compute's start to the rank's next event (the Python, loss and send
+posting after a compute are on the critical path too; the time before a rank's first
+action is added to it). Two predictions of each rank's blocked seconds:
+
+- **median inputs**: one forward and one backward time per stage (medians), the median
+  optimizer time and the median transfer time (from when both ends were ready to the end
+  of the receiver's wait: transfers rendezvous). This is what the cluster presets do.
+- **trace replay**: each measured iteration's own per-action busy times
+  (``StageTimes.per_action``) and the ranks' start skew (``StageTimes.start_s``),
+  simulated one by one; the median over iterations. Waits
+  are ``max(0, producer late)``, so timing noise adds idle on average (Jensen): medians
+  in, medians out under-predicts; the replay shows the schedule model is right.
+- **sampled**: 200 simulated iterations whose per-action times are drawn independently
+  from each stage's measured distribution (and the start skew from the measured ones);
+  the median. A prediction from distributions, not from the iterations' own traces.
+
+``--compute emulated`` runs the same layouts with timed-sleep compute (10 ms F, 20 ms B
+per microbatch): then 4 processes on 2 cores do not fight over the CPU.
+Writes benchmarks/results/sim-vs-measured-<date>.md (or -emulated-<date>.md).
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -23,130 +39,239 @@ from pathlib import Path
 import torch
 
 from baft.config import ModelConfig, ParallelConfig, TrainConfig
-from baft.profile.timeline import read_timelines
+from baft.profile.timeline import IterationRecord, read_timelines
 from baft.sim.simulator import StageTimes, simulate
 from baft.train.launch import launch
 
 LAYOUTS = [("1f1b", 2, 4), ("1f1b", 2, 8), ("gpipe", 2, 8), ("1f1b", 4, 8)]
+SKIP = 4
+"""Warm-up iterations left out."""
+SAMPLES = 200
+"""Monte-Carlo iterations of the sampled prediction."""
+
+Busy = dict[tuple[int, str, int], float]
 
 
-def stage_times(run: Path, pp: int) -> tuple[StageTimes, list[float]]:
-    records = read_timelines(run)
-    fwd: dict[int, list[float]] = {s: [] for s in range(pp)}
-    bwd: dict[int, list[float]] = {s: [] for s in range(pp)}
-    opt: list[float] = []
-    blocked: dict[int, list[float]] = {r: [] for r in records}
-    for rank, recs in records.items():
-        for rec in recs[4:]:
-            blocked[rank].append(sum(e.duration for e in rec.events if e.cat == "wait"))
-            for e in rec.events:
-                if e.name == "F" and e.stage is not None:
-                    fwd[e.stage].append(e.duration)
-                elif e.name == "B" and e.stage is not None:
-                    bwd[e.stage].append(e.duration)
-                elif e.name == "optimizer":
-                    opt.append(e.duration)
-    # Time on a rank that is neither compute nor wait (the loss on the last stage, Python
-    # between actions, splitting microbatches) is on the critical path too: spread it
-    # over that stage's microbatches, as part of the forward (where the loss sits).
-    m = sum(1 for e in records[0][-1].events if e.name == "F")
-    extra = {
-        r: statistics.median(
-            rec.iter_s - sum(e.duration for e in rec.events if e.cat in ("compute", "wait"))
-            for rec in recs[4:]
-        )
-        / max(1, m)
-        for r, recs in records.items()
-    }
-    times = StageTimes(
-        forward_s=tuple(statistics.median(fwd[s]) + extra[s] for s in range(pp)),
-        backward_s=tuple(statistics.median(bwd[s]) for s in range(pp)),
-        optimizer_s=statistics.median(opt),
-        p2p_s=_p2p_latency(records),
-    )
-    return times, [statistics.median(blocked[r]) for r in sorted(blocked)]
+def busy_times(rec: IterationRecord) -> tuple[Busy, float]:
+    """Per action (stage, kind, mb) of one rank's iteration: seconds from its start to the
+    rank's next event; and the optimizer seconds."""
+    evs = sorted(rec.events, key=lambda e: e.start)
+    out: Busy = {}
+    opt = 0.0
+    lead = 0.0
+    first = True
+    for k, e in enumerate(evs):
+        if e.name == "optimizer":
+            opt = e.duration
+        if e.cat != "compute" or e.name not in ("F", "B") or e.stage is None or e.mb is None:
+            continue
+        nxt = evs[k + 1].start if k + 1 < len(evs) else e.end
+        if first:  # time before the first action that is not a wait
+            waits = sum(x.duration for x in evs[:k] if x.cat == "wait")
+            lead = max(0.0, e.start - waits)
+            first = False
+        out[(e.stage, e.name, e.mb)] = nxt - e.start + lead
+        lead = 0.0
+    return out, opt
 
 
-def _p2p_latency(records: dict) -> float:
-    """Median delay from a forward's end on rank r to the end of rank r+1's wait for it."""
+def transfer_s(records: dict[int, list[IterationRecord]]) -> float:
+    """Median activation transfer: from when both ends were ready (sender's F ended, the
+    receiver waiting) to the end of the receiver's wait."""
     gaps = []
     for rank in sorted(records)[:-1]:
-        for sender, receiver in zip(records[rank][4:], records[rank + 1][4:], strict=False):
+        for sender, receiver in zip(records[rank][SKIP:], records[rank + 1][SKIP:], strict=False):
             ends = {e.mb: sender.t0 + e.end for e in sender.events if e.name == "F"}
             evs = list(receiver.events)
             for k, e in enumerate(evs):
                 if e.name == "F" and e.mb in ends and k and evs[k - 1].cat == "wait":
-                    gap = receiver.t0 + evs[k - 1].end - ends[e.mb]
+                    wait = evs[k - 1]
+                    gap = receiver.t0 + wait.end - max(ends[e.mb], receiver.t0 + wait.start)
                     if 0 <= gap < 0.01:
                         gaps.append(gap)
     return statistics.median(gaps) if gaps else 0.0
 
 
+def _predict(schedule: str, pp: int, m: int, times: StageTimes) -> list[float]:
+    sim = simulate(schedule, pp, m, times)
+    # The simulator ends every iteration at a global barrier before the optimizer step
+    # (gradient-norm all-reduce, as in torchtitan/Megatron); baft's trainer has none with
+    # dp=1, so that wait is not part of the measured blocked time.
+    return [
+        sim.blocked_s[r] - sum(x.idle_s for x in sim.slots[r] if x.slot_id == "pre_step")
+        for r in range(pp)
+    ]
+
+
+def compare(run: Path, schedule: str, pp: int, m: int) -> dict:
+    records = read_timelines(run)
+    iters = min(len(recs) for recs in records.values())
+    measured = [
+        statistics.median(
+            sum(e.duration for e in rec.events if e.cat == "wait") for rec in records[r][SKIP:]
+        )
+        for r in range(pp)
+    ]
+    p2p = transfer_s(records)
+    per_iter: list[Busy] = []
+    starts: list[tuple[float, ...]] = []
+    opts = []
+    for i in range(SKIP, iters):
+        merged: Busy = {}
+        for r in range(pp):
+            busy, opt = busy_times(records[r][i])
+            merged.update(busy)
+            opts.append(opt)
+        per_iter.append(merged)
+        t0 = min(records[r][i].t0 for r in range(pp))
+        starts.append(tuple(records[r][i].t0 - t0 for r in range(pp)))
+    fwd = [statistics.median(b[(s, "F", k)] for b in per_iter for k in range(m)) for s in range(pp)]
+    bwd = [statistics.median(b[(s, "B", k)] for b in per_iter for k in range(m)) for s in range(pp)]
+    opt_s = statistics.median(opts)
+    medians = _predict(
+        schedule,
+        pp,
+        m,
+        StageTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), optimizer_s=opt_s, p2p_s=p2p),
+    )
+    replays = [
+        _predict(
+            schedule,
+            pp,
+            m,
+            StageTimes(
+                forward_s=0.0,
+                backward_s=0.0,
+                optimizer_s=opt_s,
+                p2p_s=p2p,
+                per_action=b,
+                start_s=start,
+            ),
+        )
+        for b, start in zip(per_iter, starts, strict=True)
+    ]
+    replay = [statistics.median(x[r] for x in replays) for r in range(pp)]
+    # Sampled: every action's busy time drawn independently from its stage's measured
+    # distribution (all iterations and microbatches pooled), the start skew from the
+    # measured ones: a prediction from distributions, not from the iterations' own traces.
+    rng = random.Random(0)
+    pools = {
+        (st, kind): [b[(st, kind, k)] for b in per_iter for k in range(m)]
+        for st in range(pp)
+        for kind in ("F", "B")
+    }
+    samples = [
+        _predict(
+            schedule,
+            pp,
+            m,
+            StageTimes(
+                forward_s=0.0,
+                backward_s=0.0,
+                optimizer_s=opt_s,
+                p2p_s=p2p,
+                per_action={
+                    (st, kind, k): rng.choice(pools[(st, kind)])
+                    for st in range(pp)
+                    for kind in ("F", "B")
+                    for k in range(m)
+                },
+                start_s=rng.choice(starts),
+            ),
+        )
+        for _ in range(SAMPLES)
+    ]
+    sampled = [statistics.median(x[r] for x in samples) for r in range(pp)]
+
+    def err(pred: list[float]) -> list[float | None]:
+        return [round((s - x) / x, 3) if x else None for s, x in zip(pred, measured, strict=True)]
+
+    return {
+        "schedule": schedule,
+        "pp": pp,
+        "m": m,
+        "iterations": iters - SKIP,
+        "measured_blocked_ms": [round(x * 1e3, 2) for x in measured],
+        "median_inputs_ms": [round(x * 1e3, 2) for x in medians],
+        "median_inputs_error": err(medians),
+        "sampled_ms": [round(x * 1e3, 2) for x in sampled],
+        "sampled_error": err(sampled),
+        "trace_replay_ms": [round(x * 1e3, 2) for x in replay],
+        "trace_replay_error": err(replay),
+        "fwd_busy_ms": [round(x * 1e3, 2) for x in fwd],
+        "bwd_busy_ms": [round(x * 1e3, 2) for x in bwd],
+        "p2p_ms": round(p2p * 1e3, 3),
+    }
+
+
+def _fmt(errors: list[float | None]) -> str:
+    return " / ".join("n/a" if e is None else f"{e:+.0%}" for e in errors)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--iterations", type=int, default=14)
+    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--compute", choices=("real", "emulated"), default="real")
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for schedule, pp, m in LAYOUTS:
             out = Path(tmp) / f"{schedule}-{pp}-{m}"
+            emulated = {"fwd": [0.01] * pp, "bwd": [0.02] * pp}
             cfg = TrainConfig(
                 model=ModelConfig(num_layers=8, d_model=128),
                 parallel=ParallelConfig(num_dp=1, num_pp=pp, schedule=schedule, num_microbatches=m),
                 num_iterations=a.iterations,
                 global_batch=4 * m,
                 out_dir=str(out),
+                compute=a.compute,
+                emulated_times=emulated if a.compute == "emulated" else None,
             )
             assert launch(cfg, quiet=True) == 0
-            times, measured = stage_times(out, pp)
-            sim = simulate(schedule, pp, m, times)
-            # The simulator ends every iteration at a global barrier before the optimizer
-            # step (gradient-norm all-reduce, as in torchtitan/Megatron); baft's trainer
-            # has none with dp=1, so that wait is not part of the measured blocked time.
-            barrier = {
-                r: sum(x.idle_s for x in sim.slots[r] if x.slot_id == "pre_step") for r in range(pp)
-            }
-            predicted = [sim.blocked_s[r] - barrier[r] for r in range(pp)]
-            row = {
-                "schedule": schedule,
-                "pp": pp,
-                "m": m,
-                "measured_blocked_ms": [round(x * 1e3, 2) for x in measured],
-                "simulated_blocked_ms": [round(x * 1e3, 2) for x in predicted],
-                "error": [
-                    round((s - x) / x, 3) if x else None
-                    for s, x in zip(predicted, measured, strict=True)
-                ],
-                "fwd_ms": [round(x * 1e3, 2) for x in times.forward_s],  # type: ignore[union-attr]
-                "bwd_ms": [round(x * 1e3, 2) for x in times.backward_s],  # type: ignore[union-attr]
-                "p2p_ms": round(times.p2p_s * 1e3, 3),
-            }
+            row = compare(out, schedule, pp, m)
             print(json.dumps(row), flush=True)
             rows.append(row)
     date = dt.date.today().isoformat()
+    suffix = "" if a.compute == "real" else "-emulated"
+    compute = (
+        "real (GPT 8 layers, d_model 128, seq 64, 4 sequences per microbatch)"
+        if a.compute == "real"
+        else "emulated: timed sleeps of 10 ms per F and 20 ms per B, real parameters and p2p"
+    )
     lines = [
-        f"# Simulator vs measured blocked time — {date}",
+        f"# Simulator vs measured blocked time ({a.compute} compute) — {date}",
         "",
-        f"- machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo; "
-        f"command: `.venv/bin/python benchmarks/sim_vs_measured.py --iterations {a.iterations}`",
-        "- model: GPT 8 layers, d_model 128, seq 64, 4 sequences per microbatch, dp=1",
-        "- simulated blocked time excludes the simulator's pre-step global barrier "
-        "(baft's trainer has none at dp=1)",
-        "- simulator input: measured median F/B seconds per stage (F plus the per-microbatch time that is neither compute nor wait, e.g. the loss), optimizer seconds, and the median forward p2p latency (sender F end -> receiver wait end)",
-        "- pp=4 runs 4 processes on 2 cores (oversubscribed): compute times there include contention",
+        f"- machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo; command: "
+        f"`.venv/bin/python benchmarks/sim_vs_measured.py --iterations {a.iterations} "
+        f"--compute {a.compute}`",
+        f"- compute: {compute}; dp=1; medians over iterations {SKIP}..end",
+        "- measured: per rank, the seconds blocked in pipeline waits per iteration (median)",
+        "- median inputs: the simulator fed one median busy time per stage for F and for B "
+        "(compute plus what follows it before the next event), the median optimizer time and "
+        "the median rendezvous transfer time; what the cluster presets do",
+        f"- sampled: {SAMPLES} simulated iterations, each action's busy time drawn from its "
+        "stage's measured distribution and the start skew from the measured ones; median",
+        "- trace replay: the simulator fed each measured iteration's own busy time per action "
+        "and the ranks' start skew, median of the per-iteration predictions",
+        "- both exclude the simulator's pre-step global barrier (baft's trainer has none at dp=1)",
+        "- pp=4 runs 4 processes on 2 cores (oversubscribed); with real compute a rank's "
+        "compute time there includes waiting for a core",
         "",
-        "| schedule | pp | m | measured blocked ms per rank | simulated | relative error |",
-        "|---|---|---|---|---|---|",
+        "| schedule | pp | m | measured ms per rank | median inputs | error | sampled | error "
+        "| trace replay | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        err = " / ".join("n/a" if e is None else f"{e:+.0%}" for e in r["error"])
         lines.append(
             f"| {r['schedule']} | {r['pp']} | {r['m']} | {r['measured_blocked_ms']} | "
-            f"{r['simulated_blocked_ms']} | {err} |"
+            f"{r['median_inputs_ms']} | {_fmt(r['median_inputs_error'])} | "
+            f"{r['sampled_ms']} | {_fmt(r['sampled_error'])} | "
+            f"{r['trace_replay_ms']} | {_fmt(r['trace_replay_error'])} |"
         )
     lines += ["", "Raw:", "```json", json.dumps(rows, indent=1), "```", ""]
-    path = Path(a.out) / f"sim-vs-measured-{date}.md"
+    path = Path(a.out) / f"sim-vs-measured{suffix}-{date}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     print(f"wrote {path}")
 

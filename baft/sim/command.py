@@ -292,7 +292,7 @@ def _assumptions(
         "compute": "6*params*tokens per stage (attention quadratic term ignored), F=1/3, B=2/3",
         "state": "14 bytes/param (bf16 weight + fp32 master, exp_avg, exp_avg_sq) per TP "
         "shard; DP replicas split it (sharded snapshots)",
-        "p2p": "activation bytes/tp over the NIC plus 10 us; sends never block",
+        "p2p": "activation bytes/tp over the NIC plus 10 us; transfers rendezvous (start once the receive is posted) and senders wait for them where torch's schedule code does",
         "dp_allreduce": "ring all-reduce of bf16 grads; only the last layer's bucket is "
         "exposed (rest overlaps backward); copies there slow it by the contention factor",
         "barrier": "all ranks wait for the slowest before the optimizer step (grad-norm all-reduce)",

@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Action", "build_schedule", "num_stages", "stage_rank"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "build_schedule",
+    "num_stages",
+    "recvs_posted_early",
+    "send_waits",
+    "stage_rank",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 """Schedule names understood by ``build_schedule``."""
@@ -89,6 +97,48 @@ def build_schedule(
         r: tuple(builders[name](r, num_ranks, num_microbatches, num_virtual))
         for r in range(num_ranks)
     }
+
+
+def send_waits(name: str, order: tuple[Action, ...]) -> dict[int, tuple[int, ...]]:
+    """Where torch's implementation of the schedule waits for the send each action fires.
+
+    ``{j: (i, ...)}``: the send fired after action ``i`` is waited for right before action
+    ``j`` (``j == len(order)``: at the end of the step). A send completes only once the
+    peer has posted its receive (gloo and NCCL p2p rendezvous), so these waits are where a
+    sender idles for a slower receiver. Mirrors torch 2.13's ``ScheduleGPipe`` (all
+    forward sends before the first backward, backward sends at the end), ``Schedule1F1B``
+    (warm-up and cool-down wait for the previous send after the next compute; the steady
+    phase fuses each send with the next receive) and ``_PipelineScheduleRuntime`` (the
+    looped schedules wait for every send at the end). Which sends cross ranks is the
+    caller's business; every F, B and I is listed.
+    """
+    n = len(order)
+    out: dict[int, list[int]] = defaultdict(list)
+    senders = [i for i, a in enumerate(order) if a.kind != "W"]
+    if name == "gpipe":
+        first_b = next((i for i, a in enumerate(order) if a.kind != "F"), n)
+        for i in senders:
+            out[first_b if order[i].kind == "F" else n].append(i)
+    elif name == "1f1b":
+        warmup = next((i for i, a in enumerate(order) if a.kind != "F"), n)
+        last_f = max(i for i, a in enumerate(order) if a.kind == "F")
+        brk = next((i for i in range(last_f + 1, n) if order[i].kind == "B"), n)
+        for i in senders:
+            steady = warmup - 1 <= i < brk
+            out[min(n, i + 1 if steady else i + 2)].append(i)
+    else:
+        out[n] = senders
+    return {j: tuple(v) for j, v in sorted(out.items())}
+
+
+def recvs_posted_early(name: str) -> bool:
+    """Whether torch posts a receive well before the compute that needs it.
+
+    ``ScheduleGPipe`` and ``Schedule1F1B`` post each receive right before waiting for it,
+    so a transfer cannot start before the receiver gets there; the looped schedules
+    (``_PipelineScheduleRuntime``) post receives as early as the lowered action list
+    allows, modelled as posted from the start of the step."""
+    return name not in ("gpipe", "1f1b")
 
 
 def _gpipe(rank: int, p: int, m: int, v: int) -> list[Action]:

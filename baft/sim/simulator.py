@@ -2,8 +2,11 @@
 
 Each pipeline rank runs its actions in order; an action starts when the rank is free and
 its inputs have arrived (F of stage s needs F of s-1, B/I needs the rank's own F and the
-input gradient of s+1, W needs its own I; crossing ranks adds ``p2p_s``; sends never
-block). After its last action a rank joins the DP all-reduce (``dp_allreduce_s``, not
+input gradient of s+1, W needs its own I). Crossing ranks, a transfer rendezvous as on
+gloo and NCCL: it starts once the sender fired it and the receiver posted its receive,
+and takes ``p2p_s``; the sender waits for it where torch's implementation of the
+schedule waits (``baft.sim.schedules.send_waits``), which can idle a sender behind a
+slower receiver. After its last action a rank joins the DP all-reduce (``dp_allreduce_s``, not
 overlapped with backward), then every rank waits for the slowest before the optimizer
 step (the gradient-norm all-reduce of torchtitan/Megatron is a global barrier).
 
@@ -22,7 +25,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from baft.plan.types import BubbleMap, CheckpointPlan, Slot, Task
-from baft.sim.schedules import Action, build_schedule, num_stages, stage_rank
+from baft.sim.schedules import (
+    Action,
+    build_schedule,
+    num_stages,
+    recvs_posted_early,
+    send_waits,
+    stage_rank,
+)
 from baft.topology import Topology
 
 __all__ = ["Background", "Interval", "SimResult", "StageTimes", "simulate"]
@@ -51,6 +61,12 @@ class StageTimes:
     """Optimizer step seconds (after the barrier; no checkpoint work runs there)."""
     p2p_contention: float = 1.0
     """Slowdown of a transfer while checkpoint work shares the rank's link (1 = none)."""
+    per_action: Mapping[tuple[int, str, int], float] | None = None
+    """Seconds of individual actions ``(stage, kind, mb)`` that override the per-stage
+    values (trace-driven replay of a measured iteration); TP time is not added to them."""
+    start_s: tuple[float, ...] = ()
+    """When each pipeline rank starts the iteration (default all at 0): the skew a measured
+    iteration began with, for trace-driven replay. Not counted as waiting."""
 
     def per_stage(self, count: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(forward, backward) seconds for each of ``count`` stages."""
@@ -189,65 +205,150 @@ def _deps(a: Action, last_stage: int) -> list[tuple[str, int, int]]:
     return deps
 
 
+@dataclass(frozen=True, slots=True)
+class _Pipe:
+    """One schedule's fixed facts: action orders, where sends are waited, stage ranks."""
+
+    orders: Mapping[int, tuple[Action, ...]]
+    """Per pipeline rank, its compute actions in order."""
+    send_waits: Mapping[int, Mapping[int, tuple[int, ...]]]
+    """Per rank: action index -> actions whose sends are waited right before it."""
+    ranks_of: tuple[int, ...]
+    """Pipeline rank of each stage."""
+    early_recvs: bool
+    """Receives are posted at the start of the step (looped schedules)."""
+
+    @classmethod
+    def build(cls, schedule: str, num_ranks: int, m: int, num_virtual: int) -> _Pipe:
+        orders = build_schedule(schedule, num_ranks, m, num_virtual)
+        return cls(
+            orders=orders,
+            send_waits={r: send_waits(schedule, order) for r, order in orders.items()},
+            ranks_of=stage_rank(schedule, num_ranks, num_virtual),
+            early_recvs=recvs_posted_early(schedule),
+        )
+
+
 def _run_pipeline(
-    orders: Mapping[int, tuple[Action, ...]],
-    ranks_of: tuple[int, ...],
+    pipe: _Pipe,
     times: StageTimes,
     durations: Mapping[str, tuple[float, ...]],
     slot_work: Mapping[tuple[int, int], float],
     background: Mapping[int, Background],
 ) -> _Run:
-    """Longest-path evaluation of one pipeline; a rank blocks on a missing input."""
+    """Longest-path evaluation of one pipeline; a rank blocks on a missing input.
+
+    Transfers rendezvous: one starts when the sender has fired it (its compute ended) and
+    the receiver has posted the receive (at the wait before the consuming action, or at
+    the start with ``early_recvs``), and takes ``p2p_s``. A sender waits for its sends
+    where ``send_waits`` says (the end of the step is index ``len(order)``). Every wait
+    point is a possible slot.
+    """
+    orders, ranks_of, early_recvs = pipe.orders, pipe.ranks_of, pipe.early_recvs
     run = _Run()
     last = len(ranks_of) - 1
     done: dict[tuple[str, int, int], float] = {}
-    waiting: dict[tuple[str, int, int], list[int]] = {}
+    posted: dict[tuple[str, int, int], tuple[float, float, int]] = {}
+    """Transfer (producer key) -> (receive posted at, receiver's slot work ends, receiver)."""
+    waiting: dict[object, list[int]] = {}  # producer key, or ("posted", producer key)
     ptr = dict.fromkeys(orders, 0)
-    free = dict.fromkeys(orders, 0.0)
+    free = {r: times.start_s[r] if r < len(times.start_s) else 0.0 for r in orders}
     idle = Background()
     for r in orders:
         run.timeline[r], run.waits[r] = [], []
+
+    def arrival(
+        d: tuple[str, int, int], src: int, dst: int, busy: tuple[float, float] | None
+    ) -> float:
+        """When transfer ``d`` lands; ``busy``: the receiver's slot work at the receive
+        (None: as recorded when it was posted, or none)."""
+        t_post, busy1, _ = posted.get(d, (0.0, 0.0, dst))
+        links = (background.get(dst, idle), background.get(src, idle))
+        start = max(done[d], t_post)
+        if times.p2p_s <= 0.0:
+            return start
+        b0, b1 = (t_post, busy1) if busy is None else busy
+        return _arrival(start, times, links, b0, b1)
+
     stack = sorted(orders, reverse=True)
     while stack:
         r = stack.pop()
         bg = background.get(r, idle)
-        while ptr[r] < len(orders[r]):
+        n = len(orders[r])
+        while ptr[r] <= n:
             idx = ptr[r]
-            a = orders[r][idx]
-            deps = _deps(a, last)
-            missing = next((d for d in deps if d not in done), None)
+            a = orders[r][idx] if idx < n else None
+            t_free = free[r]
+            work = slot_work.get((r, idx), 0.0)
+            deps = _deps(a, last) if a is not None else []
+            remote = [d for d in deps if ranks_of[d[1]] != r]
+            for d in () if early_recvs else remote:  # post this wait point's receives once
+                if d not in posted:
+                    posted[d] = (t_free, t_free + work, r)
+                    stack.extend(waiting.pop(("posted", d), ()))
+            sends = [_key(orders[r][i]) for i in pipe.send_waits[r].get(idx, ())]
+            sends = [k for k in sends if _crosses(k, ranks_of, r, last)]
+            missing: object = next((d for d in deps if d not in done), None)
+            if missing is None:
+                gone = next((k for k in sends if k not in posted and not early_recvs), None)
+                missing = None if gone is None else ("posted", gone)
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
-            t_free = free[r]
-            work = slot_work.get((r, idx), 0.0)
             ready = 0.0
             for d in deps:
-                src = ranks_of[d[1]]
-                if src == r or times.p2p_s <= 0.0:
+                if d in remote:
+                    ready = max(ready, arrival(d, ranks_of[d[1]], r, (t_free, t_free + work)))
+                else:
                     ready = max(ready, done[d])
-                    continue
-                links = (bg, background.get(src, idle))
-                ready = max(ready, _arrival(done[d], times, links, t_free, t_free + work))
+            for k in sends:
+                ready = max(ready, arrival(k, r, _receiver(k, ranks_of), None))
             start = max(ready, t_free + work)
+            label = f"slot@{a}" if a is not None else "slot@end"
             if work > 0.0:
-                run.timeline[r].append(Interval(t_free, t_free + work, "ckpt", f"slot@{a}"))
+                run.timeline[r].append(Interval(t_free, t_free + work, "ckpt", label))
             if start > t_free + work:
-                run.timeline[r].append(Interval(t_free + work, start, "wait", f"wait {a}"))
+                what = f"wait {a}" if a is not None else "wait for sends"
+                run.timeline[r].append(Interval(t_free + work, start, "wait", what))
             if ready > t_free:
                 run.waits[r].append((idx, ready - t_free))
+            ptr[r] = idx + 1
+            if a is None:
+                free[r] = start
+                break
             dur = durations[a.kind][a.stage]
+            if times.per_action is not None:
+                dur = times.per_action.get((a.stage, a.kind, a.mb), dur)
             end = start + _stretch(start, dur, bg.compute_until_s, bg.compute_factor)
             run.timeline[r].append(Interval(start, end, a.kind, str(a)))
             done[_key(a)] = end
             free[r] = end
-            ptr[r] = idx + 1
             stack.extend(waiting.pop(_key(a), ()))
-    stuck = {r: str(orders[r][ptr[r]]) for r in orders if ptr[r] < len(orders[r])}
+    stuck = {
+        r: str(orders[r][ptr[r]]) if ptr[r] < len(orders[r]) else "end"
+        for r in orders
+        if ptr[r] <= len(orders[r])
+    }
     if stuck:
         raise ValueError(f"schedule deadlocks: ranks wait forever at {stuck}")
     run.finish = dict(free)
     return run
+
+
+def _receiver(key: tuple[str, int, int], ranks_of: tuple[int, ...]) -> int:
+    """The rank that consumes the output ``key`` of another rank."""
+    kind, stage, _ = key
+    return ranks_of[stage + 1] if kind == "F" else ranks_of[stage - 1]
+
+
+def _crosses(key: tuple[str, int, int], ranks_of: tuple[int, ...], rank: int, last: int) -> bool:
+    """Whether the output ``key`` of ``rank`` is sent to another rank."""
+    kind, stage, _ = key
+    if kind == "F":
+        return stage < last and ranks_of[stage + 1] != rank
+    if kind == "G":
+        return stage > 0 and ranks_of[stage - 1] != rank
+    return False
 
 
 @dataclass(slots=True)
@@ -369,8 +470,7 @@ def _seconds(tasks: tuple[Task, ...], lags: tuple[int, ...]) -> float:
 
 
 def _iteration(
-    orders: Mapping[int, tuple[Action, ...]],
-    ranks_of: tuple[int, ...],
+    pipe: _Pipe,
     times: StageTimes,
     durations: Mapping[str, tuple[float, ...]],
     loads: Mapping[tuple[int, int], _Load],
@@ -378,6 +478,7 @@ def _iteration(
     background: Mapping[int, Background],
 ) -> tuple[float, dict[int, tuple[Interval, ...]], _Run, dict]:
     """Run every DP pipeline (identical ones once) and the end phase."""
+    orders = pipe.orders
     cache: dict[tuple, _Run] = {}
     runs: dict[int, _Run] = {}
     for dp in range(num_dp):
@@ -389,7 +490,7 @@ def _iteration(
         }
         key = tuple(sorted(work.items()))
         if key not in cache:
-            cache[key] = _run_pipeline(orders, ranks_of, times, durations, work, background)
+            cache[key] = _run_pipeline(pipe, times, durations, work, background)
         runs[dp] = cache[key]
     barrier, marks = _end_phase(runs, loads, times, background)
     slowest = max(runs, key=lambda dp: (max(marks[(dp, r)][2] for r in orders), -dp))
@@ -420,8 +521,7 @@ def _replay(
     topo: Topology,
     where: Mapping[int, Mapping[str, int]],
     base_s: float,
-    orders: Mapping[int, tuple[Action, ...]],
-    ranks_of: tuple[int, ...],
+    pipe: _Pipe,
     times: StageTimes,
     durations: Mapping[str, tuple[float, ...]],
 ) -> tuple[float, float, dict[int, tuple[Interval, ...]]]:
@@ -432,7 +532,12 @@ def _replay(
     phases = [(0, 1)] if n == 1 else [(0,), (1,)]
     results = [
         _iteration(
-            orders, ranks_of, times, durations, _loads(plan, topo, where, lags), topo.num_dp, {}
+            pipe,
+            times,
+            durations,
+            _loads(plan, topo, where, lags),
+            topo.num_dp,
+            {},
         )
         for lags in phases
     ]
@@ -453,31 +558,28 @@ def simulate(
 ) -> SimResult:
     """Simulate one iteration; optionally replay ``plan`` (global ranks of ``topology``,
     default: one rank per pipeline stage) or a ``background`` load per pipeline rank."""
-    orders = build_schedule(schedule, num_stages_pp, num_microbatches, num_virtual)
-    ranks_of = stage_rank(schedule, num_stages_pp, num_virtual)
+    pipe = _Pipe.build(schedule, num_stages_pp, num_microbatches, num_virtual)
     durations = _durations(times, num_stages(schedule, num_stages_pp, num_virtual))
     topo = topology or Topology(num_pp=num_stages_pp, ranks_per_node=1)
     if topo.num_pp != num_stages_pp:
         raise ValueError(f"topology has pp={topo.num_pp} but num_stages_pp={num_stages_pp}")
-    base_s, base_tl, base_run, marks = _iteration(orders, ranks_of, times, durations, {}, 1, {})
+    base_s, base_tl, base_run, marks = _iteration(pipe, times, durations, {}, 1, {})
     barrier = base_s - times.optimizer_s
     slots, where = _base_slots(base_run, marks, barrier, times)
     timeline, it_s, worst_s = base_tl, base_s, base_s
     if background:
-        it_s, timeline, _, _ = _iteration(orders, ranks_of, times, durations, {}, 1, background)
+        it_s, timeline, _, _ = _iteration(pipe, times, durations, {}, 1, background)
         worst_s = it_s
     if plan is not None:
         if background:
             raise ValueError("pass either plan= or background=, not both")
-        it_s, worst_s, timeline = _replay(
-            plan, topo, where, base_s, orders, ranks_of, times, durations
-        )
+        it_s, worst_s, timeline = _replay(plan, topo, where, base_s, pipe, times, durations)
     fractions = []
     blocked = {}
     for r, ss in slots.items():
         blocked[r] = sum(s.idle_s for s in ss)
-        pipe = sum(s.idle_s for s in ss if s.kind != "collective")
-        fractions.append(pipe / base_s if base_s > 0 else 0.0)
+        waits = sum(s.idle_s for s in ss if s.kind != "collective")
+        fractions.append(waits / base_s if base_s > 0 else 0.0)
     return SimResult(
         schedule=schedule,
         num_stages_pp=num_stages_pp,

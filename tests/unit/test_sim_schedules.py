@@ -6,7 +6,13 @@ from collections import Counter
 
 import pytest
 
-from baft.sim.schedules import build_schedule, num_stages, stage_rank
+from baft.sim.schedules import (
+    build_schedule,
+    num_stages,
+    recvs_posted_early,
+    send_waits,
+    stage_rank,
+)
 
 
 def names(actions: tuple) -> str:
@@ -30,6 +36,22 @@ def test_one_f_one_b_and_gpipe_orders() -> None:
     assert names(s[0]) == "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3"
     assert names(s[2]) == "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3"
     assert names(build_schedule("gpipe", 2, 2)[1]) == "1F0 1F1 1B0 1B1"
+
+
+def test_send_waits_follow_torch_schedule_code() -> None:
+    """Read off torch 2.13 schedules.py: where each fired send is waited for."""
+    s = build_schedule("1f1b", 2, 4)
+    # rank 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3. Warm-up waits for F0's send after F1; F1's
+    # send is fused with B0's receive; steady sends with the next receive; B2 (the break)
+    # and B3 (cool-down) are waited at the end.
+    assert send_waits("1f1b", s[0]) == {2: (0, 1), 3: (2,), 4: (3,), 5: (4,), 6: (5,), 8: (6, 7)}
+    # rank 1 (last stage): a single warm-up forward, every send fused with the next wait
+    assert send_waits("1f1b", s[1]) == {k: (k - 1,) for k in range(1, 9)}
+    g = build_schedule("gpipe", 2, 3)[0]  # forward sends before the first backward
+    assert send_waits("gpipe", g) == {3: (0, 1, 2), 6: (3, 4, 5)}
+    z = build_schedule("zbv", 2, 4, 2)[0]  # runtime schedules: every send at the end
+    assert send_waits("zbv", z) == {len(z): tuple(i for i, a in enumerate(z) if a.kind != "W")}
+    assert not recvs_posted_early("1f1b") and recvs_posted_early("interleaved-1f1b")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from baft.plan.types import (
     CheckpointPlan,
     CheckpointPolicy,
     RankPlan,
+    Slot,
     StateLayout,
     Task,
     TaskKind,
@@ -76,7 +77,51 @@ def test_bubble_maps_slots_and_topology() -> None:
 def test_p2p_adds_waits() -> None:
     r = simulate("1f1b", 2, 2, StageTimes(forward_s=1.0, backward_s=2.0, p2p_s=0.25))
     assert r.slots[1][0].idle_s == 1.25  # first activation: F of rank 0 plus the transfer
-    assert r.base_iteration_s == 9.5
+    # Rendezvous: rank 1 posts the receive of F1 only after B0 (4.25), so F1's activation
+    # (fired at 2.0) lands at 4.5, not 2.25; then B0's gradient reaches rank 0 at 4.5,
+    # B1's (fired 7.5) at 7.75, and rank 0's last backward ends at 9.75.
+    assert [(i.kind, i.start, i.end) for i in r.timeline[1] if i.kind in "FB"] == [
+        ("F", 1.25, 2.25),
+        ("B", 2.25, 4.25),
+        ("F", 4.5, 5.5),
+        ("B", 5.5, 7.5),
+    ]
+    assert r.base_iteration_s == 9.75
+    # rank 1 waits at the end of the step for its last gradient send to rank 0 to land
+    assert r.slots[1][-2] == Slot(slot_id="w2", idle_s=0.25, kind="p2p")
+
+
+def test_senders_wait_for_slow_receivers_as_torch_waits_for_sends() -> None:
+    """GPipe waits for its forward sends before the first backward and for its backward
+    sends at the end: a slow receiver idles the sender there (measured on gloo)."""
+    r = simulate("gpipe", 2, 3, StageTimes(forward_s=(1.0, 2.0), backward_s=(2.0, 1.0)))
+    # rank 1 posts F2's receive after its F1 ends (t=5): rank 0 (forwards done at 3)
+    # waits 2 s for that send before its first backward's wait (which ends at 8).
+    assert [(i.kind, i.start, i.end) for i in r.timeline[0] if i.kind == "wait"][0] == (
+        "wait",
+        3.0,
+        8.0,
+    )
+    # rank 1 ends its backwards at 10, but rank 0 posts the receive of the last gradient
+    # only after its B1 (t=12): rank 1 idles 2 s in a send wait at the end of the step
+    # (a slot), then 2 s more before the step while rank 0 runs B2
+    assert [(x.slot_id, x.idle_s) for x in r.slots[1]] == [
+        ("w0", 1.0),
+        ("w1", 2.0),
+        ("pre_step", 2.0),
+    ]
+    assert r.base_iteration_s == 14.0
+
+
+def test_trace_replay_takes_per_action_times_and_start_skew() -> None:
+    base = StageTimes(forward_s=1.0, backward_s=1.0)
+    slow = StageTimes(forward_s=1.0, backward_s=1.0, per_action={(0, "F", 0): 3.0})
+    # rank 1 waits for rank 0's first forward: 1 s, or 3 s when that forward took 3 s
+    assert simulate("gpipe", 2, 2, base).slots[1][0].idle_s == 1.0
+    assert simulate("gpipe", 2, 2, slow).slots[1][0].idle_s == 3.0
+    # a rank that starts 0.75 s late waits only 0.25 s for the same input
+    late = StageTimes(forward_s=1.0, backward_s=1.0, start_s=(0.0, 0.75))
+    assert simulate("gpipe", 2, 2, late).slots[1][0].idle_s == 0.25
 
 
 def _one_rank_plan(
