@@ -254,7 +254,7 @@ def main() -> None:
         "stage's measured distribution and the start skew from the measured ones; median",
         "- trace replay: the simulator fed each measured iteration's own busy time per action "
         "and the ranks' start skew, median of the per-iteration predictions",
-        "- both exclude the simulator's pre-step global barrier (baft's trainer has none at dp=1)",
+        "- all three exclude the simulator's pre-step global barrier (baft's trainer has none at dp=1)",
         "- pp=4 runs 4 processes on 2 cores (oversubscribed); with real compute a rank's "
         "compute time there includes waiting for a core",
         "",

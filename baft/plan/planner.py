@@ -145,7 +145,9 @@ def owned_ranges(
     out: dict[int, tuple[int, int]] = {}
     for group in validate_inputs(bubbles, layouts):
         works = [_new_rank(bubbles[r], policy) for r in group]
-        shares = _shares(layouts[group[0]], works, cost, policy)
+        caps = [_capacity_bytes(w, cost, policy) for w in works]
+        fixed = [_send_spill_s(w, cost) for w in works]
+        shares = _shares(layouts[group[0]], caps, fixed, cost, policy)
         start = 0
         for r, share in zip(group, shares, strict=True):
             out[r] = (start, start + share)
@@ -154,11 +156,14 @@ def owned_ranges(
 
 
 def _shares(
-    layout: StateLayout, works: Sequence[_Rank], cost: CostModel, policy: CheckpointPolicy
+    layout: StateLayout,
+    caps: Sequence[int],
+    fixed: Sequence[float],
+    cost: CostModel,
+    policy: CheckpointPolicy,
 ) -> list[int]:
-    """Bytes each replica owns: capacity-balanced, then snapped to tensor edges if asked."""
-    caps = [_capacity_bytes(w, cost, policy) for w in works]
-    fixed = [_send_spill_s(w, cost) for w in works]
+    """Bytes each replica owns: balanced by bubble capacity ``caps`` (bytes) and already
+    exposed seconds ``fixed``, then snapped to tensor edges if asked."""
     shares = split_bytes(layout.nbytes, caps, fixed, cost, policy)
     if policy.align_to_tensors:
         shares = snap_to_tensors(shares, layout)
@@ -209,7 +214,9 @@ def _build(
         placed = memo.get(key)
         if placed is None:
             members = [bubbles[r] for r in group]
-            placed = _place_group(members, layouts[group[0]], streams, cost, policy, interval)
+            placed = _place_group(
+                members, layouts[group[0]], streams, key[1], cost, policy, interval
+            )
             memo[key] = placed
         out.update(zip(group, placed, strict=True))
     return out
@@ -219,30 +226,38 @@ def _place_group(
     bubbles: Sequence[BubbleMap],
     layout: StateLayout,
     streams: Sequence[tuple[int, ...]],
+    member_keys: Sequence[Any],
     cost: CostModel,
     policy: CheckpointPolicy,
     interval: int,
 ) -> list[_Placed]:
-    """Split, chunk and place one replica group's snapshot work, then its SENDs."""
-    works = [_new_rank(b, policy) for b in bubbles]
-    if interval == 1:
-        for w, sizes in zip(works, streams, strict=True):
-            _reserve_sends(w, sizes, cost, policy)
-    shares = _shares(layout, works, cost, policy)
+    """Split, chunk and place one replica group's snapshot work, then its SENDs.
+
+    ``member_keys``: equal for members with equal bubbles and send sizes, whose slot
+    reservations and capacities are then computed once."""
+    protos: dict[Any, tuple[_Rank, int, float]] = {}
+    works: list[_Rank] = []
+    caps: list[int] = []
+    fixed: list[float] = []
+    for b, sizes, mkey in zip(bubbles, streams, member_keys, strict=True):
+        proto = protos.get(mkey)
+        if proto is None:
+            w = _new_rank(b, policy)
+            if interval == 1:
+                _reserve_sends(w, sizes, cost, policy)
+            proto = protos[mkey] = (w, _capacity_bytes(w, cost, policy), _send_spill_s(w, cost))
+        w, cap, spill_s = proto
+        works.append(_copy_rank(w))
+        caps.append(cap)
+        fixed.append(spill_s)
+    shares = _shares(layout, caps, fixed, cost, policy)
     out: list[_Placed] = []
     start = next_id = 0
     # Replicas with the same bubbles and shares send the same pieces: place them once.
     sends_memo: dict[tuple[Any, ...], list[tuple[int, Task]]] = {}
     for w, share, sizes in zip(works, shares, streams, strict=True):
         chunks = _place_snapshots(w, start, start + share, next_id, cost.copy_Bps, cost, policy)
-        key = (
-            tuple(w.cap),
-            tuple(w.sends),
-            tuple(bool(ts) for ts in w.slot_tasks),
-            bool(w.spilled),
-            sizes,
-        )
-        sends = sends_memo.get(key)
+        sends = sends_memo.get(key := _send_key(w, sizes, interval))
         if sends is None:
             sends = sends_memo[key] = _send_tasks(w, sizes, cost, policy, interval)
         for j, task in sends:
@@ -263,6 +278,28 @@ def _place_group(
         next_id += len(chunks)
         start += share
     return out
+
+
+def _copy_rank(w: _Rank) -> _Rank:
+    """A fresh scratch rank with ``w``'s slots, capacities and SEND reservations."""
+    return _Rank(
+        rank=w.rank,
+        slot_ids=w.slot_ids,
+        sendable=w.sendable,
+        usable=w.usable,
+        cap=list(w.cap),
+        slot_tasks=[[] for _ in w.slot_ids],
+        sends=list(w.sends),
+    )
+
+
+def _send_key(w: _Rank, sizes: tuple[int, ...], interval: int) -> tuple[Any, ...]:
+    """Everything ``_send_tasks`` reads of ``w`` (after snapshot placement)."""
+    filled = [j for j, ts in enumerate(w.slot_tasks) if ts]
+    last_snap = filled[-1] if filled else 0
+    if interval == 1:
+        return (sizes, last_snap, bool(w.spilled), tuple(w.sends))
+    return (sizes, last_snap, bool(w.spilled), tuple(w.cap), w.usable, w.sendable)
 
 
 def _new_rank(bubble: BubbleMap, policy: CheckpointPolicy) -> _Rank:
