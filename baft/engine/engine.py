@@ -357,7 +357,11 @@ class CheckpointEngine:
         else:
             self.last_metrics = self._metrics(None)
         if self.plan is None:
-            self._profile.append(timeline.to_json())
+            record = timeline.to_json()
+            # after_step runs before the trainer closes the timeline: the iteration so far
+            # (everything but this hook's bookkeeping) is its length, which stretch needs
+            record["iter_s"] = record["iter_s"] or timeline.now()
+            self._profile.append(record)
             if iteration + 1 >= self.plan_iteration >= 0:
                 self._gather_and_plan()
         elif v is not None and v.version == iteration:

@@ -68,6 +68,9 @@ def test_dcp_is_plain_loadable_and_power_loss_falls_back_to_it(tmp_path: Path) -
         ckdir = Path(ref_cfg["checkpoint"]["persist_dir"])
         job = store / ref_cfg["checkpoint"]["job_id"]
         plan_input = json.loads((tmp_path / "ref" / "plan_input.json").read_text())
+        for r in plan_input["ranks"]:  # profiled iterations carry their length (stretch needs it)
+            bmap = r["bubbles"]
+            assert bmap["iteration_s"] > sum(x["idle_s"] for x in bmap["slots"]) > 0.0
         assert latest_version(ckdir) == 9  # the last committed version, persisted at close
         loaded = _plain_dcp_state(version_dir(ckdir, 9))
         compared = 0
