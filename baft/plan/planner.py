@@ -17,7 +17,7 @@ import contextlib
 import gc
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from baft.plan.bounds import (
@@ -29,6 +29,15 @@ from baft.plan.bounds import (
 )
 from baft.plan.cost import CostModel, cut_sizes, slot_bytes, tail_bytes
 from baft.plan.render import ms, plan_reason
+from baft.plan.sends import (
+    RankScratch,
+    copy_rank,
+    new_rank,
+    reserve_sends,
+    send_key,
+    send_spill_s,
+    send_tasks,
+)
 from baft.plan.types import (
     BubbleMap,
     CheckpointPlan,
@@ -43,21 +52,6 @@ from baft.plan.types import (
 __all__ = ["owned_ranges", "plan", "split_bytes"]
 
 Transfers = Mapping[int, Sequence[tuple[int, int]]]
-
-
-@dataclass(slots=True)
-class _Rank:
-    """Scratch state of one rank while planning."""
-
-    rank: int
-    slot_ids: tuple[str, ...]
-    sendable: tuple[bool, ...]
-    usable: tuple[float, ...]
-    cap: list[float]
-    slot_tasks: list[list[Task]] = field(default_factory=list)
-    spilled: list[Task] = field(default_factory=list)
-    sends: list[tuple[int, int, int, int]] = field(default_factory=list)
-    """Reserved SEND pieces (slot index or -1 = spilled, stream, offset, nbytes)."""
 
 
 def plan(
@@ -144,9 +138,9 @@ def owned_ranges(
     chunking): the shard sizes to hand the coding module before planning its SENDs."""
     out: dict[int, tuple[int, int]] = {}
     for group in validate_inputs(bubbles, layouts):
-        works = [_new_rank(bubbles[r], policy) for r in group]
+        works = [new_rank(bubbles[r], policy) for r in group]
         caps = [_capacity_bytes(w, cost, policy) for w in works]
-        fixed = [_send_spill_s(w, cost) for w in works]
+        fixed = [send_spill_s(w, cost) for w in works]
         shares = _shares(layouts[group[0]], caps, fixed, cost, policy)
         start = 0
         for r, share in zip(group, shares, strict=True):
@@ -235,19 +229,19 @@ def _place_group(
 
     ``member_keys``: equal for members with equal bubbles and send sizes, whose slot
     reservations and capacities are then computed once."""
-    protos: dict[Any, tuple[_Rank, int, float]] = {}
-    works: list[_Rank] = []
+    protos: dict[Any, tuple[RankScratch, int, float]] = {}
+    works: list[RankScratch] = []
     caps: list[int] = []
     fixed: list[float] = []
     for b, sizes, mkey in zip(bubbles, streams, member_keys, strict=True):
         proto = protos.get(mkey)
         if proto is None:
-            w = _new_rank(b, policy)
+            w = new_rank(b, policy)
             if interval == 1:
-                _reserve_sends(w, sizes, cost, policy)
-            proto = protos[mkey] = (w, _capacity_bytes(w, cost, policy), _send_spill_s(w, cost))
+                reserve_sends(w, sizes, cost, policy)
+            proto = protos[mkey] = (w, _capacity_bytes(w, cost, policy), send_spill_s(w, cost))
         w, cap, spill_s = proto
-        works.append(_copy_rank(w))
+        works.append(copy_rank(w))
         caps.append(cap)
         fixed.append(spill_s)
     shares = _shares(layout, caps, fixed, cost, policy)
@@ -257,9 +251,9 @@ def _place_group(
     sends_memo: dict[tuple[Any, ...], list[tuple[int, Task]]] = {}
     for w, share, sizes in zip(works, shares, streams, strict=True):
         chunks = _place_snapshots(w, start, start + share, next_id, cost.copy_Bps, cost, policy)
-        sends = sends_memo.get(key := _send_key(w, sizes, interval))
+        sends = sends_memo.get(key := send_key(w, sizes, interval))
         if sends is None:
-            sends = sends_memo[key] = _send_tasks(w, sizes, cost, policy, interval)
+            sends = sends_memo[key] = send_tasks(w, sizes, cost, policy, interval)
         for j, task in sends:
             (w.spilled if j < 0 else w.slot_tasks[j]).append(task)
         in_bubble = sum(t.est_s for ts in w.slot_tasks for t in ts if t.kind is TaskKind.SNAPSHOT)
@@ -280,49 +274,10 @@ def _place_group(
     return out
 
 
-def _copy_rank(w: _Rank) -> _Rank:
-    """A fresh scratch rank with ``w``'s slots, capacities and SEND reservations."""
-    return _Rank(
-        rank=w.rank,
-        slot_ids=w.slot_ids,
-        sendable=w.sendable,
-        usable=w.usable,
-        cap=list(w.cap),
-        slot_tasks=[[] for _ in w.slot_ids],
-        sends=list(w.sends),
-    )
-
-
-def _send_key(w: _Rank, sizes: tuple[int, ...], interval: int) -> tuple[Any, ...]:
-    """Everything ``_send_tasks`` reads of ``w`` (after snapshot placement)."""
-    filled = [j for j, ts in enumerate(w.slot_tasks) if ts]
-    last_snap = filled[-1] if filled else 0
-    if interval == 1:
-        return (sizes, last_snap, bool(w.spilled), tuple(w.sends))
-    return (sizes, last_snap, bool(w.spilled), tuple(w.cap), w.usable, w.sendable)
-
-
-def _new_rank(bubble: BubbleMap, policy: CheckpointPolicy) -> _Rank:
-    usable = tuple(max(0.0, s.idle_s - policy.spread_margin * s.spread_s) for s in bubble.slots)
-    return _Rank(
-        rank=bubble.rank,
-        slot_ids=tuple(s.slot_id for s in bubble.slots),
-        sendable=tuple(s.kind != "collective" for s in bubble.slots),
-        usable=usable,
-        cap=list(usable),
-        slot_tasks=[[] for _ in bubble.slots],
-    )
-
-
-def _capacity_bytes(w: _Rank, cost: CostModel, policy: CheckpointPolicy) -> int:
+def _capacity_bytes(w: RankScratch, cost: CostModel, policy: CheckpointPolicy) -> int:
     """Snapshot bytes this rank's remaining slot time can hold."""
     o, mx, mn = cost.task_overhead_s, policy.max_chunk_bytes, policy.min_chunk_bytes
     return sum(slot_bytes(c, cost.copy_Bps, o, mx, mn) for c in w.cap)
-
-
-def _send_spill_s(w: _Rank, cost: CostModel) -> float:
-    """Seconds of reserved SEND work that found no slot (already known for interval 1)."""
-    return sum(cost.seconds(TaskKind.SEND, n) for j, _, _, n in w.sends if j < 0)
 
 
 def split_bytes(
@@ -407,7 +362,7 @@ def _fix_sum(shares: list[int], total: int) -> None:
 
 
 def _place_snapshots(
-    w: _Rank,
+    w: RankScratch,
     start: int,
     stop: int,
     first_id: int,
@@ -453,103 +408,6 @@ def _snap_task(chunk_id: int, start: int, size: int, cost: CostModel) -> Task:
         0,
         start,
     )
-
-
-def _fill_stream(
-    cap: list[float],
-    order: Sequence[int],
-    nbytes: int,
-    cost: CostModel,
-    policy: CheckpointPolicy,
-) -> list[tuple[int, int]]:
-    """Take SEND bytes slot by slot in ``order``; returns (slot index, bytes) amounts."""
-    o, mx, mn = cost.task_overhead_s, policy.max_chunk_bytes, policy.min_chunk_bytes
-    rate = cost.net_Bps
-    out: list[tuple[int, int]] = []
-    left = nbytes
-    for j in order:
-        if left == 0:
-            break
-        room = slot_bytes(cap[j], rate, o, mx, mn)
-        if room < left and left <= tail_bytes(cap[j], rate, o) and left <= mx:
-            room = left
-        take = min(room, left)
-        if take:
-            cap[j] -= sum(cost.seconds(TaskKind.SEND, s) for s in cut_sizes(take, mx, mn))
-            out.append((j, take))
-            left -= take
-    if left:
-        out.append((-1, left))
-    return out
-
-
-def _reserve_sends(
-    w: _Rank, streams: Sequence[int], cost: CostModel, policy: CheckpointPolicy
-) -> None:
-    """Interval 1: reserve SEND time from the last sendable slot backwards."""
-    order = [j for j in reversed(range(len(w.cap))) if w.sendable[j]]
-    pieces: list[tuple[int, int, int, int]] = []
-    for stream in reversed(range(len(streams))):
-        amounts = _fill_stream(w.cap, order, streams[stream], cost, policy)
-        offset = 0
-        spill = [a for a in amounts if a[0] < 0]
-        for j, take in sorted((a for a in amounts if a[0] >= 0), key=lambda a: a[0]) + spill:
-            pieces.append((j, stream, offset, take))
-            offset += take
-    w.sends = sorted(pieces, key=lambda p: (p[1], p[2]))
-
-
-def _send_tasks(
-    w: _Rank,
-    streams: Sequence[int],
-    cost: CostModel,
-    policy: CheckpointPolicy,
-    interval: int,
-) -> list[tuple[int, Task]]:
-    """SEND reservations (interval 1) or fresh placements (interval >= 2) as (slot index
-    or -1 = spilled, task). Uses ``w.cap`` up (interval >= 2); adds no tasks to ``w``."""
-    if not streams:
-        return []
-    snap_slots = [j for j, ts in enumerate(w.slot_tasks) if ts]
-    last_snap = snap_slots[-1] if snap_slots else 0
-    snap_spilled = bool(w.spilled)
-    placed: list[tuple[int, int, int, int, int]] = []  # slot, lag, stream, offset, nbytes
-    if interval == 1:
-        for j, stream, offset, take in w.sends:
-            lag = 0 if j < 0 or (not snap_spilled and j >= last_snap) else 1
-            placed.append((j, lag, stream, offset, take))
-    else:
-        after = [] if snap_spilled else [j for j in range(last_snap, len(w.cap)) if w.sendable[j]]
-        fresh = list(w.usable)
-        every = [j for j in range(len(w.cap)) if w.sendable[j]]
-        for stream, nbytes in enumerate(streams):
-            offset = 0
-            for j, take in _fill_stream(w.cap, after, nbytes, cost, policy):
-                if j < 0:
-                    for j2, take2 in _fill_stream(fresh, every, take, cost, policy):
-                        placed.append((j2, 1, stream, offset, take2))
-                        offset += take2
-                else:
-                    placed.append((j, 0, stream, offset, take))
-                    offset += take
-    piece = 0
-    mx, mn = policy.max_chunk_bytes, policy.min_chunk_bytes
-    out: list[tuple[int, Task]] = []
-    for j, lag, stream, offset, take in sorted(placed, key=lambda p: (p[2], p[3])):
-        for size in cut_sizes(take, mx, mn):
-            task = Task(
-                kind=TaskKind.SEND,
-                chunk_id=piece,
-                nbytes=size,
-                est_s=cost.seconds(TaskKind.SEND, size),
-                lag=lag,
-                stream=stream,
-                offset=offset,
-            )
-            out.append((j, task))
-            piece += 1
-            offset += size
-    return out
 
 
 def _stretch(
