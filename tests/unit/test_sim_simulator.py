@@ -150,6 +150,20 @@ def _one_rank_plan(
     )
 
 
+def test_replay_uses_the_send_wait_at_the_end_of_the_step() -> None:
+    times = StageTimes(forward_s=(1.0, 2.0), backward_s=(2.0, 1.0))
+    base = simulate("gpipe", 2, 3, times)  # rank 1: w1 is its 2 s send wait after B2
+    assert [(x.slot_id, x.idle_s) for x in base.slots[1]][1] == ("w1", 2.0)
+    fits = simulate("gpipe", 2, 3, times, plan=_one_rank_plan("w1", 2.0))
+    assert fits.exposed_s == 0.0
+    assert ("ckpt", 10.0, 12.0, "slot@end") in [
+        (i.kind, i.start, i.end, i.label) for i in fits.timeline[1]
+    ]
+    # 3 s: past the send wait, but the pre-step idle (rank 0 runs B2 until 14) absorbs it
+    assert simulate("gpipe", 2, 3, times, plan=_one_rank_plan("w1", 3.0)).exposed_s == 0.0
+    assert simulate("gpipe", 2, 3, times, plan=_one_rank_plan("w1", 5.0)).exposed_s == 1.0
+
+
 def test_replay_tasks_inside_idle_cost_nothing_excess_delays() -> None:
     times = StageTimes(forward_s=1.0, backward_s=2.0)
     base = simulate("1f1b", 2, 2, times)
