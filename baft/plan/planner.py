@@ -137,11 +137,20 @@ def owned_ranges(
     """Each rank's owned byte range exactly as ``plan`` splits it without transfers (no
     chunking): the shard sizes to hand the coding module before planning its SENDs."""
     out: dict[int, tuple[int, int]] = {}
+    slots_key, tensors_key = Interner(), Interner()
+    cap_of: dict[int, int] = {}  # slots key -> snapshot bytes the slots hold
+    memo: dict[tuple[Any, ...], list[int]] = {}
     for group in validate_inputs(bubbles, layouts):
-        works = [new_rank(bubbles[r], policy) for r in group]
-        caps = [_capacity_bytes(w, cost, policy) for w in works]
-        fixed = [send_spill_s(w, cost) for w in works]
-        shares = _shares(layouts[group[0]], caps, fixed, cost, policy)
+        members = [slots_key(bubbles[r].slots) for r in group]
+        key = (tensors_key(layouts[group[0]].tensors), tuple(members))
+        shares = memo.get(key)
+        if shares is None:
+            for r, k in zip(group, members, strict=True):
+                if k not in cap_of:
+                    cap_of[k] = _capacity_bytes(new_rank(bubbles[r], policy), cost, policy)
+            caps = [cap_of[k] for k in members]
+            shares = _shares(layouts[group[0]], caps, [0.0] * len(group), cost, policy)
+            memo[key] = shares
         start = 0
         for r, share in zip(group, shares, strict=True):
             out[r] = (start, start + share)

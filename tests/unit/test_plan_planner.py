@@ -7,7 +7,7 @@ import time
 import pytest
 
 from baft.plan.cost import CostModel
-from baft.plan.planner import plan, split_bytes
+from baft.plan.planner import owned_ranges, plan, split_bytes
 from baft.plan.types import (
     BubbleMap,
     CheckpointPlan,
@@ -248,6 +248,16 @@ def test_identical_groups_share_tasks_and_match_planning_them_alone() -> None:
     assert whole.ranks[a].tasks is whole.ranks[b].tasks  # shared, not copied
     assert whole.ranks[a].peers == (a ^ 1,) and whole.ranks[b].peers == (b ^ 1,)
     assert whole.ranks[a].tasks != whole.ranks[topo.rank_of(pp=1, dp=1, tp=0)].tasks
+
+
+def test_owned_ranges_are_the_plans_ranges_without_transfers() -> None:
+    layouts, bubbles, _ = big_instance(num_pp=4, num_dp=4)
+    for r in list(bubbles)[::3]:  # make some members of some groups differ
+        bubbles[r] = bubble(r, [0.001 * (1 + r % 7)] * 4 + [0.002], it=1.0)
+    p = plan(bubbles, layouts, CostModel(), CheckpointPolicy())
+    got = owned_ranges(bubbles, layouts, CostModel(), CheckpointPolicy())
+    assert got == {r: (rp.owned_start, rp.owned_stop) for r, rp in p.ranks.items()}
+    assert len({stop - start for start, stop in got.values()}) > 2  # unequal shares
 
 
 def test_plan_restores_the_garbage_collector_state() -> None:
