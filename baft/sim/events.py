@@ -115,6 +115,7 @@ def _stretch(start: float, work: float, until: float, factor: float) -> float:
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    """Length of the intersection of [a0, a1] and [b0, b1] (0 if disjoint)."""
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
@@ -186,8 +187,8 @@ def run_pipeline(
     run = Run()
     last = len(ranks_of) - 1
     done: dict[tuple[str, int, int], float] = {}
-    posted: dict[tuple[str, int, int], tuple[float, float, int]] = {}
-    """Transfer (producer key) -> (receive posted at, receiver's slot work ends, receiver)."""
+    posted: dict[tuple[str, int, int], tuple[float, float]] = {}
+    """Transfer (producer key) -> (receive posted at, receiver's slot work there ends)."""
     waiting: dict[object, list[int]] = {}  # producer key, or ("posted", producer key)
     ptr = dict.fromkeys(orders, 0)
     free = {r: times.start_s[r] if r < len(times.start_s) else 0.0 for r in orders}
@@ -200,7 +201,7 @@ def run_pipeline(
     ) -> float:
         """When transfer ``d`` lands; ``busy``: the receiver's slot work at the receive
         (None: as recorded when it was posted, or none)."""
-        t_post, busy1, _ = posted.get(d, (0.0, 0.0, dst))
+        t_post, busy1 = posted.get(d, (0.0, 0.0))
         links = (background.get(dst, idle), background.get(src, idle))
         start = max(done[d], t_post)
         if times.p2p_s <= 0.0:
@@ -222,7 +223,7 @@ def run_pipeline(
             remote = [d for d in deps if ranks_of[d[1]] != r]
             for d in () if early_recvs else remote:  # post this wait point's receives once
                 if d not in posted:
-                    posted[d] = (t_free, t_free + work, r)
+                    posted[d] = (t_free, t_free + work)
                     stack.extend(waiting.pop(("posted", d), ()))
             sends = [_key(orders[r][i]) for i in pipe.send_waits[r].get(idx, ())]
             sends = [k for k in sends if _crosses(k, ranks_of, r, last)]
