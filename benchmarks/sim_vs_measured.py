@@ -125,8 +125,14 @@ def compare(run: Path, schedule: str, pp: int, m: int) -> dict:
         per_iter.append(merged)
         t0 = min(records[r][i].t0 for r in range(pp))
         starts.append(tuple(records[r][i].t0 - t0 for r in range(pp)))
-    fwd = [statistics.median(b[(s, "F", k)] for b in per_iter for k in range(m)) for s in range(pp)]
-    bwd = [statistics.median(b[(s, "B", k)] for b in per_iter for k in range(m)) for s in range(pp)]
+    # every stage's busy times of one kind, all iterations and microbatches pooled
+    pooled = {
+        (st, kind): [b[(st, kind, k)] for b in per_iter for k in range(m)]
+        for st in range(pp)
+        for kind in ("F", "B")
+    }
+    fwd = [statistics.median(pooled[(st, "F")]) for st in range(pp)]
+    bwd = [statistics.median(pooled[(st, "B")]) for st in range(pp)]
     opt_s = statistics.median(opts)
     medians = _predict(
         schedule,
@@ -134,54 +140,46 @@ def compare(run: Path, schedule: str, pp: int, m: int) -> dict:
         m,
         StageTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), optimizer_s=opt_s, p2p_s=p2p),
     )
-    replays = [
-        _predict(
-            schedule,
-            pp,
-            m,
-            StageTimes(
-                forward_s=0.0,
-                backward_s=0.0,
-                optimizer_s=opt_s,
-                p2p_s=p2p,
-                per_action=b,
-                start_s=start,
-            ),
-        )
-        for b, start in zip(per_iter, starts, strict=True)
-    ]
-    replay = [statistics.median(x[r] for x in replays) for r in range(pp)]
-    # Sampled: every action's busy time drawn independently from its stage's measured
-    # distribution (all iterations and microbatches pooled), the start skew from the
-    # measured ones: a prediction from distributions, not from the iterations' own traces.
+
+    def replay(traces: list[tuple[Busy, tuple[float, ...]]]) -> list[float]:
+        """Median per rank of the predictions for (per-action times, start skew) traces."""
+        preds = [
+            _predict(
+                schedule,
+                pp,
+                m,
+                StageTimes(
+                    forward_s=0.0,
+                    backward_s=0.0,
+                    optimizer_s=opt_s,
+                    p2p_s=p2p,
+                    per_action=busy,
+                    start_s=start,
+                ),
+            )
+            for busy, start in traces
+        ]
+        return [statistics.median(x[r] for x in preds) for r in range(pp)]
+
+    traced = replay(list(zip(per_iter, starts, strict=True)))
+    # Sampled: every action's busy time drawn independently from its stage's pooled
+    # measured distribution, the start skew from the measured ones: a prediction from
+    # distributions, not from the iterations' own traces.
     rng = random.Random(0)
-    pools = {
-        (st, kind): [b[(st, kind, k)] for b in per_iter for k in range(m)]
-        for st in range(pp)
-        for kind in ("F", "B")
-    }
-    samples = [
-        _predict(
-            schedule,
-            pp,
-            m,
-            StageTimes(
-                forward_s=0.0,
-                backward_s=0.0,
-                optimizer_s=opt_s,
-                p2p_s=p2p,
-                per_action={
-                    (st, kind, k): rng.choice(pools[(st, kind)])
+    sampled = replay(
+        [
+            (
+                {
+                    (st, kind, k): rng.choice(pooled[(st, kind)])
                     for st in range(pp)
                     for kind in ("F", "B")
                     for k in range(m)
                 },
-                start_s=rng.choice(starts),
-            ),
-        )
-        for _ in range(SAMPLES)
-    ]
-    sampled = [statistics.median(x[r] for x in samples) for r in range(pp)]
+                rng.choice(starts),
+            )
+            for _ in range(SAMPLES)
+        ]
+    )
 
     def err(pred: list[float]) -> list[float | None]:
         return [round((s - x) / x, 3) if x else None for s, x in zip(pred, measured, strict=True)]
@@ -196,8 +194,8 @@ def compare(run: Path, schedule: str, pp: int, m: int) -> dict:
         "median_inputs_error": err(medians),
         "sampled_ms": [round(x * 1e3, 2) for x in sampled],
         "sampled_error": err(sampled),
-        "trace_replay_ms": [round(x * 1e3, 2) for x in replay],
-        "trace_replay_error": err(replay),
+        "trace_replay_ms": [round(x * 1e3, 2) for x in traced],
+        "trace_replay_error": err(traced),
         "fwd_busy_ms": [round(x * 1e3, 2) for x in fwd],
         "bwd_busy_ms": [round(x * 1e3, 2) for x in bwd],
         "p2p_ms": round(p2p * 1e3, 3),

@@ -76,6 +76,8 @@ class _BaselineHooks:
         self.enabled = True
         self.last_metrics = empty_metrics()
         self._iteration = -1
+        self._future: Future[Any] | None = None
+        """The background save in flight, if the mode has one."""
 
     def _begin(self, iteration: int) -> None:
         if iteration != self._iteration:
@@ -99,7 +101,10 @@ class _BaselineHooks:
         self._begin(iteration)
 
     def drain(self) -> None:
-        """Wait for background work (none by default)."""
+        """Wait for the background save in flight, if any."""
+        if self._future is not None:
+            self._future.result()
+            self._future = None
 
     def close(self) -> None:
         self.drain()
@@ -145,7 +150,6 @@ class DcpAsyncHooks(_BaselineHooks):
                 use_non_blocking_copy=False,
             )
         )
-        self._future: Future[Any] | None = None
 
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
         import torch.distributed.checkpoint as dcp
@@ -173,13 +177,8 @@ class DcpAsyncHooks(_BaselineHooks):
         self._future = response
         self._account(start, sum(t.numel() * t.element_size() for t in state.values()))
 
-    def drain(self) -> None:
-        if self._future is not None:
-            self._future.result()
-            self._future = None
-
     def close(self) -> None:
-        self.drain()
+        super().close()
         self._stager.close()
 
 
@@ -191,7 +190,6 @@ class CheckFreqHooks(_BaselineHooks):
         self.path = Path(directory) / f"rank{trainer.mesh.rank}.pt"
         self._buffers: dict[str, torch.Tensor] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkfreq")
-        self._future: Future[None] | None = None
 
     def _ensure_buffers(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """(Re)allocate and pre-fault buffers when the state's layout changed."""
@@ -213,13 +211,8 @@ class CheckFreqHooks(_BaselineHooks):
         self._future = self._executor.submit(_fsync_save, dict(self._buffers), self.path)
         self._account(start, sum(t.numel() * t.element_size() for _, t in named))
 
-    def drain(self) -> None:
-        if self._future is not None:
-            self._future.result()
-            self._future = None
-
     def close(self) -> None:
-        self.drain()
+        super().close()
         self._executor.shutdown(wait=True)
 
 

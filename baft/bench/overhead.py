@@ -447,29 +447,22 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Worker entry (one process per rank, under torchrun)."""
-    import faulthandler
-    import os
     import warnings
 
-    import torch.distributed as dist
+    from baft.train.worker import process_main
 
     argv = sys.argv[1:] if argv is None else argv
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-    faulthandler.enable()
-    if os.environ.get("BAFT_HANG_DUMP_S"):
-        faulthandler.dump_traceback_later(float(os.environ["BAFT_HANG_DUMP_S"]), exit=True)
     bcfg = OverheadConfig.from_dict(json.loads(Path(argv[0]).read_text()))
-    try:
+
+    def body() -> None:
         start = time.time()
         raw = run_worker(bcfg)
         if raw is not None:
             raw["wall_s"] = time.time() - start
             (Path(bcfg.out_dir) / RAW_FILE).write_text(json.dumps(raw) + "\n")
-        dist.barrier()  # leave together: a gloo peer torn down early can abort the other
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+
+    return process_main(body)
 
 
 if __name__ == "__main__":

@@ -357,11 +357,7 @@ class CheckpointEngine:
         else:
             self.last_metrics = self._metrics(None)
         if self.plan is None:
-            record = timeline.to_json()
-            # after_step runs before the trainer closes the timeline: the iteration so far
-            # (everything but this hook's bookkeeping) is its length, which stretch needs
-            record["iter_s"] = record["iter_s"] or timeline.now()
-            self._profile.append(record)
+            self._profile.append(timeline.to_json())  # unfinished: its length so far
             if iteration + 1 >= self.plan_iteration >= 0:
                 self._gather_and_plan()
         elif v is not None and v.version == iteration:
@@ -419,7 +415,6 @@ class CheckpointEngine:
             v.in_bubble_s += elapsed
         if timeline is not None:  # main-thread copies: what the planner's copy rate means
             self._observed = (self._observed[0] + task.nbytes, self._observed[1] + elapsed)
-        if timeline is not None:
             end = timeline.now()
             timeline.add(
                 "snapshot",

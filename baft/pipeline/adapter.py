@@ -25,6 +25,7 @@ from torch.distributed.pipelining import schedules as _sched
 from torch.distributed.pipelining.stage import PipelineStage
 
 from baft.pipeline.recorder import IterationTimeline
+from baft.sim.schedules import stage_rank
 
 _SCHEDULE_CLASSES: dict[str, Any] = {
     "gpipe": _sched.ScheduleGPipe,
@@ -43,12 +44,10 @@ class SlotHandler(Protocol):
 
 
 def stage_indices(schedule: str, pp_rank: int, num_pp: int, num_virtual: int) -> list[int]:
-    """Pipeline stage indices held by pipeline rank ``pp_rank``."""
-    if schedule in _SINGLE_STAGE:
-        return [pp_rank]
-    if schedule == "zbv":  # V shape: down the ranks, then back up
-        return [pp_rank, 2 * num_pp - 1 - pp_rank]
-    return [pp_rank + i * num_pp for i in range(num_virtual)]  # looped
+    """Pipeline stage indices held by pipeline rank ``pp_rank`` (looped, or the V shape of
+    zbv), from the same stage -> rank map the simulator uses."""
+    owner = stage_rank(schedule, num_pp, 1 if schedule in _SINGLE_STAGE else num_virtual)
+    return [s for s, r in enumerate(owner) if r == pp_rank]
 
 
 def build_schedule(

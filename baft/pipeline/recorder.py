@@ -40,10 +40,11 @@ class IterationTimeline:
         return sum(e["end"] - e["start"] for e in self.events if e["cat"] == "wait")
 
     def to_json(self) -> dict[str, Any]:
+        """The record; an unfinished iteration (a hook reading it) reports its length so far."""
         return {
             "iteration": self.iteration,
             "rank": self.rank,
             "t0": self.t0,
-            "iter_s": self.iter_s,
+            "iter_s": self.iter_s or self.now(),
             "events": self.events,
         }

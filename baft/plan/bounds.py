@@ -23,6 +23,7 @@ __all__ = [
     "Exposure",
     "Interner",
     "exact_exposed",
+    "group_keys",
     "groups_lower_bound",
     "level_split",
     "lower_bound",
@@ -58,6 +59,35 @@ class Interner:
     def __len__(self) -> int:
         """Distinct values seen so far."""
         return len(self._by_value)
+
+
+GroupKey = tuple[int, tuple[tuple[int, tuple[int, ...]], ...]]
+"""A replica group's planner inputs in short: (which tensor list, per member (which slots,
+its send sizes)). Equal keys mean equal inputs, so equal plans and bounds."""
+
+
+def group_keys(
+    groups: Sequence[tuple[int, ...]],
+    bubbles: Mapping[int, BubbleMap],
+    layouts: Mapping[int, StateLayout],
+    transfers: Transfers | None,
+) -> list[GroupKey]:
+    """The key of each replica group (same order): at cluster scale a handful are
+    distinct, so the planner and the bound work once per distinct group."""
+    slots_key, tensors_key = Interner(), Interner()
+    return [
+        (
+            tensors_key(layouts[group[0]].tensors),
+            tuple(
+                (
+                    slots_key(bubbles[r].slots),
+                    tuple(n for _, n in transfers.get(r, ())) if transfers else (),
+                )
+                for r in group
+            ),
+        )
+        for group in groups
+    ]
 
 
 def validate_inputs(
@@ -248,27 +278,26 @@ def groups_lower_bound(
     policy: CheckpointPolicy,
     transfers: Transfers | None,
     interval: int,
+    keys: Sequence[GroupKey] | None = None,
 ) -> float:
-    """``lower_bound`` for already validated inputs and their replica groups."""
+    """``lower_bound`` for already validated inputs and their replica groups (``keys``:
+    their ``group_keys``, computed here if not given)."""
+    keys = group_keys(groups, bubbles, layouts, transfers) if keys is None else keys
     a = cost.per_byte_s(TaskKind.SNAPSHOT, policy.max_chunk_bytes)
     best = 0.0
-    slots_key = Interner()
-    done: set[tuple[object, ...]] = set()  # identical groups have identical levels
-    for group in groups:
-        sends = [tuple(n for _, n in (transfers or {}).get(r, ())) for r in group]
-        nbytes = layouts[group[0]].nbytes
-        key = (nbytes, tuple(slots_key(bubbles[r].slots) for r in group), tuple(sends))
+    done: set[GroupKey] = set()  # identical groups have identical levels
+    for group, key in zip(groups, keys, strict=True):
         if key in done:
             continue
         done.add(key)
         curves = []
-        for r, sizes in zip(group, sends, strict=True):
+        for r, (_, sizes) in zip(group, key[1], strict=True):
             send_s = sum(
                 n / cost.net_Bps + cost.task_overhead_s * math.ceil(n / policy.max_chunk_bytes)
                 for n in sizes
             )
             curves.append(_curve(bubbles[r], send_s, cost.interference, interval, policy))
-        level, _ = level_split(curves, a * nbytes)
+        level, _ = level_split(curves, a * layouts[group[0]].nbytes)
         best = max(best, level)
     return best / interval
 

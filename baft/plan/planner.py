@@ -22,7 +22,8 @@ from typing import Any
 
 from baft.plan.bounds import (
     Exposure,
-    Interner,
+    GroupKey,
+    group_keys,
     groups_lower_bound,
     level_split,
     validate_inputs,
@@ -98,11 +99,12 @@ def _plan(
     transfers: Transfers | None,
 ) -> CheckpointPlan:
     groups = validate_inputs(bubbles, layouts, transfers)
+    keys = group_keys(groups, bubbles, layouts, transfers)
     interval = policy.every
-    built = _build(bubbles, layouts, groups, cost, policy, transfers, interval)
+    built = _build(bubbles, layouts, groups, keys, cost, policy, interval)
     note = ""
     if policy.on_overflow == "stretch":
-        interval, built, note = _stretch(bubbles, layouts, groups, cost, policy, transfers, built)
+        interval, built, note = _stretch(bubbles, layouts, groups, keys, cost, policy, built)
     ranks = {
         r: RankPlan(
             rank=r,
@@ -117,7 +119,9 @@ def _plan(
         for r, p in sorted(built.items())
     }
     exposed = max((rp.exposed_s for rp in ranks.values()), default=0.0)
-    bound = groups_lower_bound(bubbles, layouts, groups, cost, policy, transfers, interval)
+    bound = groups_lower_bound(
+        bubbles, layouts, groups, cost, policy, transfers, interval, keys=keys
+    )
     reason = plan_reason(ranks, bubbles, layouts, groups, policy, interval, exposed, bound, note)
     return CheckpointPlan(
         ranks=ranks,
@@ -137,18 +141,16 @@ def owned_ranges(
     """Each rank's owned byte range exactly as ``plan`` splits it without transfers (no
     chunking): the shard sizes to hand the coding module before planning its SENDs."""
     out: dict[int, tuple[int, int]] = {}
-    slots_key, tensors_key = Interner(), Interner()
     cap_of: dict[int, int] = {}  # slots key -> snapshot bytes the slots hold
-    memo: dict[tuple[Any, ...], list[int]] = {}
-    for group in validate_inputs(bubbles, layouts):
-        members = [slots_key(bubbles[r].slots) for r in group]
-        key = (tensors_key(layouts[group[0]].tensors), tuple(members))
+    memo: dict[GroupKey, list[int]] = {}
+    groups = validate_inputs(bubbles, layouts)
+    for group, key in zip(groups, group_keys(groups, bubbles, layouts, None), strict=True):
         shares = memo.get(key)
         if shares is None:
-            for r, k in zip(group, members, strict=True):
+            for r, (k, _) in zip(group, key[1], strict=True):
                 if k not in cap_of:
                     cap_of[k] = _capacity_bytes(new_rank(bubbles[r], policy), cost, policy)
-            caps = [cap_of[k] for k in members]
+            caps = [cap_of[k] for k, _ in key[1]]
             shares = _shares(layouts[group[0]], caps, [0.0] * len(group), cost, policy)
             memo[key] = shares
         start = 0
@@ -193,34 +195,27 @@ def _build(
     bubbles: Mapping[int, BubbleMap],
     layouts: Mapping[int, StateLayout],
     groups: Sequence[tuple[int, ...]],
+    keys: Sequence[GroupKey],
     cost: CostModel,
     policy: CheckpointPolicy,
-    transfers: Transfers | None,
     interval: int,
 ) -> _Built:
     """Place every rank's work for one checkpoint at the given interval.
 
     At cluster scale most replica groups are identical (every tp rank of a pp stage has
     the same bubbles, layout and send sizes; SENDs name their peer by stream index):
-    each distinct group is planned once and its results are shared, so 4096 ranks cost
-    little more than the handful of distinct stages.
+    each distinct group (``keys``) is planned once and its results are shared, so 4096
+    ranks cost little more than the handful of distinct stages.
     """
-    slots_key, tensors_key = Interner(), Interner()
-    memo: dict[tuple[Any, ...], list[_Placed]] = {}
+    memo: dict[GroupKey, list[_Placed]] = {}
     out: _Built = {}
-    for group in groups:
-        streams = [tuple(n for _, n in transfers.get(r, ())) if transfers else () for r in group]
-        key = (
-            tensors_key(layouts[group[0]].tensors),
-            tuple(zip([slots_key(bubbles[r].slots) for r in group], streams, strict=True)),
-        )
+    for group, key in zip(groups, keys, strict=True):
         placed = memo.get(key)
         if placed is None:
             members = [bubbles[r] for r in group]
-            placed = _place_group(
-                members, layouts[group[0]], streams, key[1], cost, policy, interval
+            placed = memo[key] = _place_group(
+                members, layouts[group[0]], key[1], cost, policy, interval
             )
-            memo[key] = placed
         out.update(zip(group, placed, strict=True))
     return out
 
@@ -228,21 +223,21 @@ def _build(
 def _place_group(
     bubbles: Sequence[BubbleMap],
     layout: StateLayout,
-    streams: Sequence[tuple[int, ...]],
-    member_keys: Sequence[Any],
+    members: Sequence[tuple[int, tuple[int, ...]]],
     cost: CostModel,
     policy: CheckpointPolicy,
     interval: int,
 ) -> list[_Placed]:
     """Split, chunk and place one replica group's snapshot work, then its SENDs.
 
-    ``member_keys``: equal for members with equal bubbles and send sizes, whose slot
-    reservations and capacities are then computed once."""
-    protos: dict[Any, tuple[RankScratch, int, float]] = {}
+    ``members``: per member (slots key, send sizes) from its ``GroupKey``; members with
+    equal ones get their slot reservations and capacities computed once."""
+    protos: dict[tuple[int, tuple[int, ...]], tuple[RankScratch, int, float]] = {}
     works: list[RankScratch] = []
     caps: list[int] = []
     fixed: list[float] = []
-    for b, sizes, mkey in zip(bubbles, streams, member_keys, strict=True):
+    for b, mkey in zip(bubbles, members, strict=True):
+        sizes = mkey[1]
         proto = protos.get(mkey)
         if proto is None:
             w = new_rank(b, policy)
@@ -258,7 +253,7 @@ def _place_group(
     start = next_id = 0
     # Replicas with the same bubbles and shares send the same pieces: place them once.
     sends_memo: dict[tuple[Any, ...], list[tuple[int, Task]]] = {}
-    for w, share, sizes in zip(works, shares, streams, strict=True):
+    for w, share, (_, sizes) in zip(works, shares, members, strict=True):
         chunks = _place_snapshots(w, start, start + share, next_id, cost.copy_Bps, cost, policy)
         sends = sends_memo.get(key := send_key(w, sizes, interval))
         if sends is None:
@@ -423,9 +418,9 @@ def _stretch(
     bubbles: Mapping[int, BubbleMap],
     layouts: Mapping[int, StateLayout],
     groups: Sequence[tuple[int, ...]],
+    keys: Sequence[GroupKey],
     cost: CostModel,
     policy: CheckpointPolicy,
-    transfers: Transfers | None,
     built: _Built,
 ) -> tuple[int, _Built, str]:
     """Smallest interval >= policy.every whose exposed seconds per iteration are zero or
@@ -441,7 +436,7 @@ def _stretch(
     if worst / policy.every <= target:
         return policy.every, built, ""
     if policy.every == 1:
-        built = _build(bubbles, layouts, groups, cost, policy, transfers, 2)
+        built = _build(bubbles, layouts, groups, keys, cost, policy, 2)
         worst = max((p.exposure_s for p in built.values()), default=0.0)
     interval = max(2, policy.every, math.ceil(worst / target - 1e-12))
     note = (

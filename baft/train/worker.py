@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,19 +131,26 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def process_main(body: Callable[[], object]) -> int:
+    """One rank's process under torchrun (training and benchmark workers): tracebacks on
+    a fault (and after ``$BAFT_HANG_DUMP_S`` seconds, for hangs), ``body()``, then leave
+    through a barrier and tear the process group down."""
     faulthandler.enable()
     if os.environ.get("BAFT_HANG_DUMP_S"):
         faulthandler.dump_traceback_later(float(os.environ["BAFT_HANG_DUMP_S"]), exit=True)
-    cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
     try:
-        run(cfg)
+        body()
         dist.barrier()  # leave together: a gloo peer torn down early can abort the other
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
+    return process_main(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,14 @@ def test_read_timelines_sorts_and_uses_file_rank(tmp_path: Path) -> None:
 def test_read_timelines_without_files_says_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="rank<r>.jsonl"):
         read_timelines(tmp_path)
+
+
+def test_an_unfinished_iteration_reports_its_length_so_far() -> None:
+    from baft.pipeline.recorder import IterationTimeline
+
+    tl = IterationTimeline(3, 0)
+    time.sleep(0.01)
+    so_far = tl.to_json()["iter_s"]  # what a hook (the engine's profile) reads
+    assert so_far >= 0.01
+    done = tl.finish()
+    assert done >= so_far and tl.to_json()["iter_s"] == done
