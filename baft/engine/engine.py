@@ -496,8 +496,7 @@ class CheckpointEngine:
         if self.persister is None or self._checkpoints_committed % self.policy.persist_every:
             return
         self._fire("persist", version)
-        if self._persist is not None:
-            self._persist[1].wait()
+        self._join_persist()
         slot = next(
             s
             for s in (0, 1)
@@ -524,6 +523,10 @@ class CheckpointEngine:
         """Nothing may still read the store's mappings: they are about to be replaced
         (a resized file under a live mapping is a SIGBUS for its reader)."""
         self.worker.drain()
+        self._join_persist()
+
+    def _join_persist(self) -> None:
+        """Wait for the DCP save in flight, if any."""
         if self._persist is not None:
             self._persist[1].wait()
             self._persist = None
@@ -531,8 +534,7 @@ class CheckpointEngine:
     def _protect_persisted_slot(self) -> None:
         """Never overwrite a slot the persister is still reading."""
         if self._persist is not None and self._persist[0] != self.committed:
-            self._persist[1].wait()
-            self._persist = None
+            self._join_persist()
 
     # ------------------------------------------------------------------ misc
     def _fire(self, point: str, iteration: int) -> None:
@@ -557,8 +559,7 @@ class CheckpointEngine:
         """Finish pending commit and persist; release the store mappings."""
         self.worker.shutdown()
         self._resolve_commit()
-        if self._persist is not None:
-            self._persist[1].wait()
+        self._join_persist()
         if self.persister is not None:
             self.persister.shutdown()
         self.store.close()
