@@ -29,7 +29,7 @@ from baft.config import CheckpointConfig, TrainConfig
 from baft.topology import Topology
 from baft.train.launch import default_job_id
 from baft.train.mesh import Mesh, mesh_view, pick_device
-from baft.train.trainer import StepRunner
+from baft.train.trainer import StepRunner, check_optimizer
 
 
 def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:
@@ -67,11 +67,17 @@ class Protected:
         self.engine: Any = None
         self._t_launch = time.time()
         self._reported = False
+        self._restored = False
 
     def restore(self) -> int:
         """Open the stores, recover the newest rebuildable version; returns the start iteration."""
         from baft.recover.runtime import recover_and_start
 
+        if self._restored:
+            raise RuntimeError(
+                "restore() was already called: call it once, before the first step()"
+            )
+        self._restored = True
         if self.cfg.checkpoint is None:
             return 0
         Path(self.cfg.out_dir).mkdir(parents=True, exist_ok=True)
@@ -84,6 +90,12 @@ class Protected:
         self, iteration: int, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None
     ) -> float | None:
         """One training iteration; returns the mean microbatch loss on the last stage."""
+        if not self._restored:
+            raise RuntimeError(
+                "step() before restore(): call start = ft.restore() first (it opens the "
+                "snapshot stores and returns the iteration to resume from); without it "
+                "nothing would be checkpointed"
+            )
         res = self.runner.run_step(iteration, inputs, target)
         if self.mesh.rank == 0 and self.engine is not None:
             # lets a later recovery count the iterations it loses
@@ -122,6 +134,7 @@ def protect(
     stages in DDP). ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
     ``run_dir/checkpoints`` every 50 checkpoints.
     """
+    check_optimizer(optimizer)
     mesh = _mesh_from(device_mesh, ranks_per_node)
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
     ck.job_id = ck.job_id or default_job_id(run_dir)

@@ -55,7 +55,7 @@ from baft.profile.bubbles import bubble_map
 from baft.profile.timeline import parse_record
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
-from baft.store.shm import SnapshotStore
+from baft.store.shm import MemoryBudgetError, SnapshotStore
 from baft.train.mesh import Mesh
 from baft.train.trainer import StepRunner
 
@@ -263,7 +263,7 @@ class CheckpointEngine:
         shard_sizes = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
         self.group_layout = group_layouts(self.topology, self.redundancy, shard_sizes)[self.rank]
         red_nbytes = self.group_layout.redundancy_nbytes(self.rank)
-        self.store.allocate(rp.owned_stop - rp.owned_start, red_nbytes)
+        self._allocate_everywhere(rp.owned_stop - rp.owned_start, red_nbytes)
         self.exchange = RedundancyExchange(
             self.group_layout if self.redundancy.kind != "none" else None,
             self.rank,
@@ -286,6 +286,19 @@ class CheckpointEngine:
         self.plan_iteration = -1
         if self.rank == 0:
             print(f"[baft] checkpoint plan ({source}): {plan.reason}", flush=True)
+
+    def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int) -> None:
+        """Allocate the store; collective, so that a rank over its memory budget (or a
+        full tmpfs) fails every rank with the same error instead of leaving its peers
+        blocked in the next collective until they time out."""
+        error: str | None = None
+        try:
+            self.store.allocate(data_nbytes, red_nbytes)
+        except MemoryBudgetError as e:
+            error = str(e)
+        errors = [e for e in self.transport.all_gather_object(error) if e]
+        if errors:
+            raise MemoryBudgetError(errors[0])
 
     # ------------------------------------------------------------------ hooks
     def apply_rng(self) -> None:

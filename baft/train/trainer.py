@@ -60,6 +60,15 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+def check_optimizer(optimizer: Any) -> None:
+    """Raise ValueError unless baft can checkpoint this optimizer's state (Adam/AdamW)."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise ValueError(
+            f"baft checkpoints Adam/AdamW state; got {type(optimizer).__name__}: "
+            "use torch.optim.AdamW or Adam"
+        )
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a (possibly DTensor) parameter or state."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -161,11 +170,7 @@ class StepRunner:
         Makes the checkpointed layout fixed from iteration 0 and lets a restore load
         optimizer state into a fresh optimizer; the trajectory is unchanged.
         """
-        if not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            raise ValueError(
-                f"baft checkpoints Adam/AdamW state; got {type(self.optimizer).__name__}: "
-                "use torch.optim.AdamW or Adam"
-            )
+        check_optimizer(self.optimizer)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 state = self.optimizer.state[p]
@@ -192,24 +197,59 @@ class StepRunner:
                 if isinstance(value, torch.Tensor):
                     yield f"optim.{names[id(p)]}.{key}", local(value)
 
-    def state_digest(self) -> str:
-        """sha256 over every rank's model and optimizer state in a canonical order.
+    def state_digests(self) -> dict[str, str]:
+        """sha256 of this rank's parameters, buffers and optimizer state, per tensor.
 
-        Collective. DP replicas hold identical state, so only dp=0 contributes; TP shards are
-        keyed by their tp coordinate. Identical trajectories give identical digests.
+        Keys are canonical names (``model.<fqn>``, ``buffer.<fqn>``, ``optim.<fqn>.<key>``);
+        DTensors contribute their local shard.
+        """
+        out = {name: hashlib.sha256(_tensor_bytes(t)).hexdigest() for name, t in self.named_state()}
+        for m in self.modules:
+            for fqn, b in m.named_buffers():
+                out[f"buffer.{fqn}"] = hashlib.sha256(_tensor_bytes(local(b))).hexdigest()
+        return out
+
+    def rank_digests(self) -> dict[str, str]:
+        """Collective: one digest per rank (``dp{d}.pp{p}.tp{t}``) over its whole state.
+
+        Every rank contributes: TP shards, pipeline stages and DP replicas. DP replicas
+        must hold identical state; if any differs this raises ``RuntimeError`` naming the
+        tensors, since a replica restored wrongly would otherwise only show iterations later.
         """
         c = self.mesh.coords
-        mine: list[tuple[str, str]] = []
-        if c.dp == 0:
-            for name, t in self.named_state():
-                key = f"{name}@tp{c.tp}" if self.num_tp > 1 else name
-                mine.append((key, hashlib.sha256(_tensor_bytes(t)).hexdigest()))
+        mine = (c.dp, c.pp, c.tp, sorted(self.state_digests().items()))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        h = hashlib.sha256()
-        for key, digest in sorted(kv for part in gathered for kv in part):
-            h.update(f"{key}={digest}\n".encode())
-        return h.hexdigest()
+        by_stage: dict[tuple[int, int], tuple[int, list[tuple[str, str]]]] = {}
+        out: dict[str, str] = {}
+        for dp, pp, tp, items in sorted(gathered, key=lambda g: (g[0], g[1], g[2])):
+            h = hashlib.sha256()
+            for key, digest in items:
+                h.update(f"{key}={digest}\n".encode())
+            out[f"dp{dp}.pp{pp}.tp{tp}"] = h.hexdigest()
+            first = by_stage.setdefault((pp, tp), (dp, items))
+            if first[1] != items:
+                differ = sorted(
+                    {k for k, _ in set(items) ^ set(first[1])},
+                )
+                raise RuntimeError(
+                    f"DP replicas dp{first[0]} and dp{dp} of pp{pp}.tp{tp} hold different "
+                    f"state: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}"
+                )
+        return out
+
+    def state_digest(self) -> str:
+        """Collective: one sha256 over every rank's :meth:`rank_digests`. Identical
+        trajectories give identical digests; raises if DP replicas differ."""
+        return combine_digests(self.rank_digests())
+
+
+def combine_digests(rank_digests: dict[str, str]) -> str:
+    """One sha256 over per-rank digests, in key order."""
+    h = hashlib.sha256()
+    for key, digest in sorted(rank_digests.items()):
+        h.update(f"{key}={digest}\n".encode())
+    return h.hexdigest()
 
 
 class Trainer(StepRunner):
