@@ -1,54 +1,205 @@
 """The one device-copy seam: live tensors (CPU or CUDA) -> host snapshot buffers.
 
-On CPU a snapshot copy is a plain ``copy_`` (memcpy). On CUDA it is issued on a side
-stream with ``non_blocking=True`` into host memory that was registered (pinned) once,
-and ``synchronize()`` waits on an event recorded after the last copy, so SNAPSHOT tasks
-queue DMA work without stalling the compute stream. Everything else in the engine works
-on host bytes and never asks which device the model is on.
+The training thread only *starts* a snapshot copy at its planned slot; whoever reads the
+copied bytes (the checksum, the redundancy exchange) first waits on the handle that
+:meth:`DeviceCopy.record` returned, and the training thread waits for everything only at
+the step deadline (``synchronize``). Three implementations:
+
+- :class:`CudaCopy`: ``non_blocking`` copies on a side stream into pinned host memory;
+  the handle is a CUDA event. The host never blocks on DMA.
+- :class:`ThreadCopy`: the same semantics for ``--compute emulated`` (the stand-in for an
+  accelerator, where the host is idle while the device computes): a copy thread plays the
+  DMA engine. Copies go through :func:`copy_hash`, which hashes each block while it is
+  still in cache, so no separate pass reads the snapshot only to checksum it.
+- :class:`HostCopy`: CPU training, where the host *is* the device: a synchronous
+  ``copy_hash`` at the slot, inside the bubble (a copy thread would compete with compute).
+
+Everything else in the engine works on host bytes and never asks where the model is.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
+import xxhash
+
+from baft.engine.priority import lower_thread_priority
+
+HASH_BLOCK_BYTES = 512 << 10
+"""Copy-and-hash granularity: a block is hashed right after it is copied, while it is
+still in the core's L2 cache (measured: copy then hash of the same block costs little
+more than the copy alone; a separate hash pass over a 8 MiB chunk re-reads it from L3 or
+memory)."""
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+"""(host destination, live source) uint8 views of equal length."""
+
+
+def copy_hash(pairs: Sequence[Pair]) -> int:
+    """Copy every ``src`` into its ``dst`` and return the xxh3_64 of the destinations
+    concatenated in order (for a chunk: the same digest as hashing the chunk afterwards)."""
+    h = xxhash.xxh3_64()
+    for dst, src in pairs:
+        n = dst.numel()
+        for lo in range(0, n, HASH_BLOCK_BYTES):
+            hi = min(n, lo + HASH_BLOCK_BYTES)
+            d = dst[lo:hi]
+            d.copy_(src[lo:hi])
+            h.update(d.numpy().data)
+    return h.intdigest()
+
+
+class ChunkCopy:
+    """One chunk's copy in flight. ``wait`` returns once its bytes are in host memory;
+    ``checksum`` is then set when the copier hashed them on the way (host copiers), else
+    None (the reader hashes). ``seconds`` is the copy's own duration where known."""
+
+    __slots__ = ("checksum", "seconds", "nbytes", "_done", "_cuda_event")
+
+    def __init__(self, nbytes: int) -> None:
+        self.checksum: int | None = None
+        self.seconds = 0.0
+        self.nbytes = nbytes
+        self._done = threading.Event()
+        self._cuda_event: Any = None
+
+    def finish(self, checksum: int | None, seconds: float) -> None:
+        self.checksum, self.seconds = checksum, seconds
+        self._done.set()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+            self._done.set()
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"snapshot copy of {self.nbytes} B not done after {timeout_s} s")
+
+    def done(self) -> bool:
+        if self._cuda_event is not None and self._cuda_event.query():
+            self._done.set()
+        return self._done.is_set()
 
 
 class DeviceCopy(Protocol):
-    """Copies device bytes into host buffers; ``synchronize`` makes them visible."""
+    """Starts chunk copies from live tensors into host buffers."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    asynchronous: bool
+    """True when ``start`` returns before the bytes are copied (wait before reading)."""
+
+    def start(self, pairs: Sequence[Pair]) -> ChunkCopy: ...
 
     def synchronize(self) -> None: ...
 
+    def shutdown(self) -> None: ...
+
+
+def _pairs_nbytes(pairs: Sequence[Pair]) -> int:
+    return sum(d.numel() for d, _ in pairs)
+
 
 class HostCopy:
-    """CPU tensors: a synchronous memcpy."""
+    """CPU training: a synchronous copy-and-hash on the calling thread."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+    asynchronous = False
+
+    def start(self, pairs: Sequence[Pair]) -> ChunkCopy:
+        c = ChunkCopy(_pairs_nbytes(pairs))
+        t0 = time.perf_counter()
+        digest = copy_hash(pairs)
+        c.finish(digest, time.perf_counter() - t0)
+        return c
 
     def synchronize(self) -> None:
         return None
 
+    def shutdown(self) -> None:
+        return None
+
+
+class ThreadCopy:
+    """Accelerator semantics on the host (``--compute emulated``): a copy thread plays
+    the DMA engine. ``start`` only queues; the thread copies and hashes in FIFO order at
+    low CPU priority; ``synchronize`` (the step deadline) waits for the queue."""
+
+    asynchronous = True
+
+    def __init__(self, *, idle_priority: bool = True) -> None:
+        self._queue: queue.Queue[tuple[Sequence[Pair], ChunkCopy] | None] = queue.Queue()
+        self._idle_priority = idle_priority
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="baft-copy", daemon=True)
+        self._thread.start()
+
+    def start(self, pairs: Sequence[Pair]) -> ChunkCopy:
+        c = ChunkCopy(_pairs_nbytes(pairs))
+        self._queue.put((pairs, c))
+        return c
+
+    def synchronize(self) -> None:
+        self._queue.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("snapshot copy failed") from err
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(30.0)
+
+    def _run(self) -> None:
+        if self._idle_priority:
+            lower_thread_priority()
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                pairs, c = item
+                t0 = time.perf_counter()
+                digest = copy_hash(pairs)
+                c.finish(digest, time.perf_counter() - t0)
+            except BaseException as e:  # noqa: BLE001 - re-raised by synchronize()
+                self._error = e
+                if item is not None:
+                    item[1].finish(None, 0.0)
+            finally:
+                self._queue.task_done()
+
 
 class CudaCopy:
-    """CUDA tensors: asynchronous D2H copies on a side stream, ordered after compute."""
+    """CUDA tensors: asynchronous D2H copies on a side stream, ordered after compute.
+    The checksum is left to the reader (a host pass after the event: no GPU hash here)."""
+
+    asynchronous = True
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device=device)
-        self.event = torch.cuda.Event()
         self.device = device
+        self._last: Any = None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # The side stream must see every kernel that produced ``src`` so far.
+    def start(self, pairs: Sequence[Pair]) -> ChunkCopy:
+        c = ChunkCopy(_pairs_nbytes(pairs))
+        # The side stream must see every kernel that produced the sources so far.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        self.event.record(self.stream)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        c._cuda_event = event
+        self._last = event
+        return c
 
     def synchronize(self) -> None:
-        self.event.synchronize()
+        if self._last is not None:
+            self._last.synchronize()
+
+    def shutdown(self) -> None:
+        self.synchronize()
 
 
 def pin_host_buffer(t: torch.Tensor) -> None:
@@ -57,5 +208,21 @@ def pin_host_buffer(t: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
 
 
-def device_copy_for(device: torch.device) -> DeviceCopy:
-    return CudaCopy(device) if device.type == "cuda" else HostCopy()
+def device_copy_for(device: torch.device, *, emulated: bool = False) -> DeviceCopy:
+    """The copier for live tensors on ``device``; ``emulated`` compute gets accelerator
+    semantics (a copy thread) although the tensors are on the CPU."""
+    if device.type == "cuda":
+        return CudaCopy(device)
+    return ThreadCopy() if emulated else HostCopy()
+
+
+__all__ = [
+    "ChunkCopy",
+    "CudaCopy",
+    "DeviceCopy",
+    "HostCopy",
+    "ThreadCopy",
+    "copy_hash",
+    "device_copy_for",
+    "pin_host_buffer",
+]

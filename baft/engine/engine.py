@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from baft.config import TrainConfig
-from baft.engine.device import device_copy_for
+from baft.engine.device import ChunkCopy, device_copy_for, pin_host_buffer
 from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, SaveHandle
 from baft.engine.plan_input import (
@@ -60,6 +60,12 @@ from baft.train.mesh import Mesh
 from baft.train.trainer import StepRunner
 
 REPLAN_AFTER_CHECKPOINTS = 3
+COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
+"""Where a version's protect time goes: ``copy`` (snapshot copies, hashing included where
+the copier hashes on the way), ``hash`` (a separate checksum pass: CUDA only), ``send``
+(network sends), ``pull`` (same-host redundancy copies from a peer's store), ``recv_wait``
+(waiting for network receives and peers' progress), ``encode`` (parity), and
+``deadline_wait`` (the training thread waiting for copies at the step deadline)."""
 """Checkpoints after which the measured snapshot copy rate is compared with the plan's."""
 
 
@@ -79,6 +85,8 @@ class _Version:
         self.snapshot_bytes = 0
         self.protected: set[int] = set()
         self.snapshot_event: threading.Event | None = None
+        self.seconds: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
+        """Seconds per protect component (see COMPONENTS), summed over threads."""
 
 
 class CheckpointEngine:
@@ -123,7 +131,7 @@ class CheckpointEngine:
         self.flat = FlatState([*trainer.named_state(), (rng_name, self._rng)])
         self.recovery: Any = None
         self.skip_version: int | None = None
-        self.copier = device_copy_for(mesh.device)
+        self.copier = device_copy_for(mesh.device, emulated=cfg.compute == "emulated")
         # Host-side protect work waits for bubbles only when the host also computes.
         gated = mesh.device.type == "cpu" and cfg.compute == "real" and not naive
         self.worker = ProtectWorker(
@@ -293,12 +301,19 @@ class CheckpointEngine:
         blocked in the next collective until they time out."""
         error: str | None = None
         try:
-            self.store.allocate(data_nbytes, red_nbytes)
+            self._allocate(data_nbytes, red_nbytes)
         except MemoryBudgetError as e:
             error = str(e)
         errors = [e for e in self.transport.all_gather_object(error) if e]
         if errors:
             raise MemoryBudgetError(errors[0])
+
+    def _allocate(self, data_nbytes: int, red_nbytes: int) -> None:
+        """(Re)create the store's slots; on CUDA pin them so device copies are DMA."""
+        self.store.allocate(data_nbytes, red_nbytes)
+        if self.mesh.device.type == "cuda":
+            for slot in (0, 1):
+                pin_host_buffer(torch.from_numpy(self.store.data_view(slot)))
 
     # ------------------------------------------------------------------ hooks
     def apply_rng(self) -> None:
@@ -346,7 +361,15 @@ class CheckpointEngine:
             for task, pieces in self._all_tasks:
                 if task.chunk_id not in v.done:
                     self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
-            self.copier.synchronize()
+            start = timeline.now()
+            self.copier.synchronize()  # the step deadline: every copy of v is done
+            waited = timeline.now() - start
+            v.seconds["deadline_wait"] += waited
+            if self.copier.asynchronous:
+                v.exposed_s += waited
+                timeline.add(
+                    "snapshot-wait", "ckpt", start, start + waited, slot="pre_step", exposed=True
+                )
         self._fire("step", iteration)
 
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
@@ -390,7 +413,7 @@ class CheckpointEngine:
         self._protect_persisted_slot()
         if not self.store.path.exists():  # store lost under a live rank: start it afresh
             self._quiesce()
-            self.store.allocate(self.store.data_view(0).size, self.store.red_view(0).size)
+            self._allocate(self.store.data_view(0).size, self.store.red_view(0).size)
         slot = self.store.begin(iteration)
         data = torch.from_numpy(self.store.data_view(slot))
         red = torch.from_numpy(self.store.red_view(slot))
@@ -412,22 +435,20 @@ class CheckpointEngine:
         start = time.perf_counter()
         lo = task.offset - self._owned_start
         out = v.data[lo : lo + task.nbytes]
-        self.flat.read_into(pieces, out, self.copier)
-        self.copier.synchronize()
+        copy = self.copier.start(self.flat.pairs(pieces, out))  # returns at once if async
         v.done.add(task.chunk_id)
         v.snapshot_bytes += task.nbytes
         chunk_id = task.chunk_id
         if threading.current_thread() is self.worker_thread:
-            self._protect(v, chunk_id, out)
+            self._protect(v, chunk_id, out, copy)
         else:
-            self.worker.submit(lambda: self._protect(v, chunk_id, out))
+            self.worker.submit(lambda: self._protect(v, chunk_id, out, copy))
         elapsed = time.perf_counter() - start
         if exposed:
             v.exposed_s += elapsed
-        else:
+        elif not self.copier.asynchronous:
             v.in_bubble_s += elapsed
-        if timeline is not None:  # main-thread copies: what the planner's copy rate means
-            self._observed = (self._observed[0] + task.nbytes, self._observed[1] + elapsed)
+        if timeline is not None:
             end = timeline.now()
             timeline.add(
                 "snapshot",
@@ -439,9 +460,20 @@ class CheckpointEngine:
                 exposed=exposed,
             )
 
-    def _protect(self, v: _Version, chunk_id: int, out: torch.Tensor) -> None:
-        """Worker: checksum one snapshotted chunk, send the redundancy pieces it completes."""
-        v.checksums[chunk_id] = checksum(out.numpy())
+    def _protect(self, v: _Version, chunk_id: int, out: torch.Tensor, copy: ChunkCopy) -> None:
+        """Worker: once a chunk's copy is done, record its checksum (hashed during the copy
+        by host copiers) and send the redundancy pieces it completes."""
+        copy.wait(self.ck.timeout_s)
+        v.seconds["copy"] += copy.seconds
+        if self.copier.asynchronous:
+            v.in_bubble_s += copy.seconds  # background copy time, off the training thread
+        if copy.seconds > 0:  # measured copy rate (the re-plan compares it with the plan's)
+            self._observed = (self._observed[0] + copy.nbytes, self._observed[1] + copy.seconds)
+        if copy.checksum is None:  # CUDA: the host hashes the copied bytes once
+            t0 = time.perf_counter()
+            copy.checksum = checksum(out.numpy())
+            v.seconds["hash"] += time.perf_counter() - t0
+        v.checksums[chunk_id] = copy.checksum
         v.protected.add(chunk_id)
         while (nxt := self._chunk_by_offset.get(v.covered)) and nxt[0] in v.protected:
             v.covered = nxt[1]
@@ -561,6 +593,7 @@ class CheckpointEngine:
             "ckpt_version": v.version if v else None,
             "in_bubble_s": v.in_bubble_s if v else 0.0,
             "exposed_s": v.exposed_s if v else 0.0,
+            "seconds": dict(v.seconds) if v else {},
             "bytes": {
                 "snapshot": v.snapshot_bytes if v else 0,
                 "send": ex.bytes_sent if (v and ex) else 0,
@@ -571,6 +604,7 @@ class CheckpointEngine:
     def close(self) -> None:
         """Finish pending commit and persist; release the store mappings."""
         self.worker.shutdown()
+        self.copier.shutdown()
         self._resolve_commit()
         self._join_persist()
         if self.persister is not None:

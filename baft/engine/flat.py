@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baft.engine.device import DeviceCopy
+from baft.engine.device import Pair
 from baft.plan.types import TensorSpec
 
 
@@ -78,16 +78,15 @@ class FlatState:
         """The live bytes of one piece (a view: writes go into the tensor)."""
         return self._views[piece.index][piece.tensor_offset : piece.tensor_offset + piece.nbytes]
 
-    def read_into(
-        self, pieces: tuple[Piece, ...], out: torch.Tensor, copier: DeviceCopy | None = None
-    ) -> None:
-        """Copy live bytes of ``pieces`` into the host uint8 tensor ``out``."""
-        for p in pieces:
-            dst = out[p.out_offset : p.out_offset + p.nbytes]
-            if copier is None:
-                dst.copy_(self.view(p))
-            else:
-                copier.copy(dst, self.view(p))
+    def pairs(self, pieces: tuple[Piece, ...], out: torch.Tensor) -> list[Pair]:
+        """(destination in ``out``, live source) views of ``pieces``, in ``out`` order:
+        what a :class:`~baft.engine.device.DeviceCopy` copies for one chunk."""
+        return [(out[p.out_offset : p.out_offset + p.nbytes], self.view(p)) for p in pieces]
+
+    def read_into(self, pieces: tuple[Piece, ...], out: torch.Tensor) -> None:
+        """Copy live bytes of ``pieces`` into the host uint8 tensor ``out`` (synchronous)."""
+        for dst, src in self.pairs(pieces, out):
+            dst.copy_(src)
 
     def write_from(self, start: int, data: torch.Tensor) -> None:
         """Overwrite flat bytes ``[start, start + len(data))`` of the live tensors."""

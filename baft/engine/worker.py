@@ -10,7 +10,7 @@ protect work then uses the cores the pipeline leaves idle, item by item, and sto
 soon as compute resumes (the reference measurements show a blocked gloo wait sleeps and
 releases the GIL). With an accelerator doing the compute the host is idle anyway and the
 gate stays open. ``drain`` opens the gate and waits for everything queued: what is left
-there is exposed time.
+there is exposed time. The thread runs at idle CPU priority (:mod:`baft.engine.priority`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+
+from baft.engine.priority import lower_thread_priority
 
 
 class ProtectWorker:
@@ -60,6 +62,7 @@ class ProtectWorker:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        lower_thread_priority()
         while True:
             item = self._queue.get()
             try:

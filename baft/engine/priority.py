@@ -1,0 +1,45 @@
+"""Background checkpoint threads yield the CPU to training.
+
+Linux schedules threads individually, so a protect or copy thread can drop to
+``SCHED_IDLE`` (runs only when a core would otherwise idle) without touching the training
+thread. Elsewhere, or where the call is refused, the thread keeps its priority and the
+reason is logged once. ``BAFT_BACKGROUND_PRIORITY=normal`` turns it off (for measuring).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("baft")
+ENV = "BAFT_BACKGROUND_PRIORITY"
+"""``idle`` (default) or ``normal``."""
+_warned = False
+
+
+def background_priority() -> str:
+    """The configured policy of background checkpoint threads: ``idle`` or ``normal``."""
+    value = os.environ.get(ENV, "idle")
+    if value not in ("idle", "normal"):
+        raise ValueError(f"{ENV} must be idle or normal, got {value!r}")
+    return value
+
+
+def lower_thread_priority() -> bool:
+    """Put the calling thread at ``SCHED_IDLE`` (when configured); True if it took."""
+    global _warned
+    if background_priority() != "idle":
+        return False
+    setter = getattr(os, "sched_setscheduler", None)
+    policy = getattr(os, "SCHED_IDLE", None)
+    if setter is None or policy is None:
+        return False
+    try:
+        setter(threading.get_native_id(), policy, os.sched_param(0))
+    except OSError as err:
+        if not _warned:
+            _warned = True
+            log.info("background checkpoint threads keep normal priority: %s", err)
+        return False
+    return True
