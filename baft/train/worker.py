@@ -22,7 +22,7 @@ import torch.distributed as dist
 from baft.config import TrainConfig
 from baft.train.mesh import init_mesh
 from baft.train.progress import Progress
-from baft.train.trainer import StepResult, Trainer
+from baft.train.trainer import StepResult, Trainer, combine_digests
 
 
 def _gather_metrics(trainer: Trainer, res: StepResult) -> dict[str, Any]:
@@ -104,7 +104,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             progress.update(it + 1, m["loss"], m["iter_s"])
         if engine is not None:
             engine.close()
-        digest = trainer.state_digest()
+        rank_digests = trainer.rank_digests()
+        digest = combine_digests(rank_digests)
     finally:
         progress.close()
         timeline_file.close()
@@ -115,6 +116,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "final_loss": losses[-1] if losses else None,
         "first_loss": losses[0] if losses else None,
         "final_state_digest": digest,
+        "rank_digests": rank_digests,
         "wall_s": time.time() - start,
         "world_size": dist.get_world_size(),
         "recoveries": _read_jsonl(out / "recoveries.jsonl"),

@@ -1,50 +1,96 @@
-"""Real failures: SIGKILL a trainer and lose a node, recover from memory, compare bit for bit.
+"""Real failures: kill a trainer, lose nodes, corrupt a stored shard; recover from memory,
+compare bit for bit with a run that never checkpointed.
 
-Both failures are injected into one job (4 ranks, dp=2 x pp=2, 2 simulated nodes, xor:2
-parity) and compared with the same job run without failures: the loss log and the
-digest of every rank's final model and optimizer state must be identical.
+The reference of every comparison is the same training run *unprotected* (checkpointing
+off), so nothing baft does can move both sides. Compared: the loss log, and the digest of
+every rank's final parameters, buffers and AdamW state (every pipeline stage, TP shard
+and DP replica; the trainer itself raises if DP replicas differ). Every recovery pins
+where its state came from: ``source == "memory"`` and each rank's shard source (its own
+store, a peer's replica, or parity decoding).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig
+from baft.config import CheckpointConfig, TrainConfig
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
 
+PHASES = {"rendezvous", "inventory", "transfer_decode", "load", "first_iteration"}
 
-def _config(out: Path, store: Path, inject: list[str]):
-    cfg = tiny_config(out, iterations=12, batch=8, num_dp=2, num_pp=2, num_microbatches=2)
-    cfg.checkpoint = CheckpointConfig(
-        redundancy="xor:2",
-        persist_every=0,
-        profile_iters=2,
-        store_root=str(store),
-        inject=inject,
-        timeout_s=30.0,
-        max_restarts=3,
+
+def _config(
+    out: Path,
+    store: Path | None,
+    inject: list[str],
+    *,
+    redundancy: str = "xor:2",
+    ranks_per_node: int = 0,
+    **ck: Any,
+) -> TrainConfig:
+    cfg = tiny_config(
+        out,
+        iterations=12,
+        batch=8,
+        num_dp=2,
+        num_pp=2,
+        num_microbatches=2,
+        ranks_per_node=ranks_per_node,
     )
+    if store is not None:
+        cfg.checkpoint = CheckpointConfig(
+            redundancy=redundancy,
+            persist_every=0,
+            profile_iters=2,
+            store_root=str(store),
+            inject=inject,
+            timeout_s=30.0,
+            max_restarts=3,
+            **ck,
+        )
     return cfg
 
 
-def test_kill_and_node_loss_recover_bit_exactly(tmp_path: Path) -> None:
-    store = Path("/dev/shm") / f"baft-test-{tmp_path.name}"
-    try:
-        ref = run_job(_config(tmp_path / "ref", store, []))
-        failed = run_job(
-            _config(tmp_path / "failed", store, ["kill:rank=1,iter=4,at=snapshot", "node:1,iter=8"])
-        )
-    finally:
-        import shutil
+def assert_same_training(got: dict[str, Any], ref: dict[str, Any], num_iterations: int) -> None:
+    """Bit-identical to the unprotected reference: losses and every rank's final state."""
+    assert [m["iteration"] for m in got["metrics"]] == list(range(num_iterations))
+    assert [m["loss"] for m in got["metrics"]] == [m["loss"] for m in ref["metrics"]]
+    assert got["summary"]["rank_digests"] == ref["summary"]["rank_digests"]
+    assert got["summary"]["final_state_digest"] == ref["summary"]["final_state_digest"]
 
-        shutil.rmtree(store, ignore_errors=True)
-    assert [m["loss"] for m in failed["metrics"]] == [m["loss"] for m in ref["metrics"]]
-    assert [m["iteration"] for m in failed["metrics"]] == list(range(12))
-    assert failed["summary"]["final_state_digest"] == ref["summary"]["final_state_digest"]
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory):
+    path = Path("/dev/shm") / f"baft-kr-{tmp_path_factory.getbasetemp().name}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same 12 iterations with checkpointing off (``baft train --no-checkpoint``)."""
+    ref = run_job(_config(tmp_path_factory.mktemp("unprotected"), None, []))
+    assert ref["summary"]["config"]["checkpoint"] is None
+    assert sorted(ref["summary"]["rank_digests"]) == [
+        f"dp{d}.pp{p}.tp0" for d in range(2) for p in range(2)
+    ]
+    return ref
+
+
+def test_kill_and_node_loss_recover_bit_exactly(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    failed = run_job(
+        _config(tmp_path / "failed", store, ["kill:rank=1,iter=4,at=snapshot", "node:1,iter=8"])
+    )
+    assert_same_training(failed, reference, 12)
 
     recoveries = failed["summary"]["recoveries"]
     assert len(recoveries) == 2
@@ -52,7 +98,7 @@ def test_kill_and_node_loss_recover_bit_exactly(tmp_path: Path) -> None:
     # The crash happened mid-snapshot of version 4: version 3 was the newest committed.
     assert crash["source"] == "memory" and crash["restored_version"] == 3
     assert crash["lost_iterations"] == 1
-    assert set(crash["sources"].values()) == {"local"}
+    assert crash["sources"] == {"0": "local", "1": "local", "2": "local", "3": "local"}
     # Node 1 (ranks 2, 3) lost its store at the step of iteration 8, after snapshotting
     # version 8: v8 is usable if node 1's parity pieces reached node 0 before it died
     # (a race), else v7. Either way ranks 2 and 3 come back from parity on node 0.
@@ -60,13 +106,92 @@ def test_kill_and_node_loss_recover_bit_exactly(tmp_path: Path) -> None:
     assert node["lost_iterations"] == 8 - node["restored_version"]
     assert node["sources"] == {"0": "local", "1": "local", "2": "parity", "3": "parity"}
     for r in recoveries:
-        assert {"rendezvous", "inventory", "transfer_decode", "load", "first_iteration"} <= set(
-            r["seconds"]
-        )
-    # every iteration after profiling committed its version
-    committed = [m.get("committed_version") for m in ref["metrics"]]
+        assert PHASES <= set(r["seconds"])
+    committed = [m.get("committed_version") for m in failed["metrics"]]
     assert committed[-1] == 10
-    # the one-time re-plan with the measured copy rate keeps the stored versions when no
-    # shard boundary moves (tiny state: it never does), so protection has no gap
-    first = next(i for i, c in enumerate(committed) if c is not None)
-    assert committed[first:] == list(range(committed[first], 11))
+
+
+def test_corrupted_shard_then_kill_rebuilds_it_from_parity(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """Outside corruption: early in iteration 6 one byte of rank 0's committed v5 flips
+    (in its data file, as bit rot or a stray write would); rank 1 then dies before v6
+    commits. v5 must come back with rank 0's shard rebuilt from parity, not from disk."""
+    failed = run_job(
+        _config(
+            tmp_path / "corrupt",
+            store,
+            ["corrupt:rank=0,iter=6,at=snapshot", "kill:rank=1,iter=6"],
+        )
+    )
+    assert_same_training(failed, reference, 12)
+    (r,) = failed["summary"]["recoveries"]
+    assert r["source"] == "memory" and r["restored_version"] == 5, r
+    assert r["sources"] == {"0": "parity", "1": "local", "2": "local", "3": "local"}, r
+    assert r["lost_iterations"] == 1
+    assert "rank 0 (shard failed its checksum)" in r["reason"], r["reason"]
+
+
+def test_rs_code_rebuilds_two_lost_nodes_at_once(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """4 ranks, each its own simulated node, rs:2+2 across the 4 nodes. Node 1 dies at the
+    step of iteration 6; while the job restores from that, node 2 dies too (its store
+    gone). The restore that completes has two nodes' shards missing at once, which only
+    the two parities of rs:2+2 can rebuild (the slow tier runs the same on 8 ranks)."""
+    failed = run_job(
+        _config(
+            tmp_path / "rs",
+            store,
+            ["node:1,iter=6", "node:2,iter=5,at=recovery"],
+            redundancy="rs:2+2",
+            ranks_per_node=1,
+        )
+    )
+    assert_same_training(failed, reference, 12)
+    (r,) = failed["summary"]["recoveries"]
+    assert r["attempt"] == 2, r  # the first restore was cut short by node 2's loss
+    assert r["source"] == "memory" and r["restored_version"] in (5, 6), r
+    assert r["sources"] == {"0": "local", "1": "parity", "2": "parity", "3": "local"}, r
+    assert r["lost_iterations"] == 6 - r["restored_version"]
+
+
+def _rs_config(out: Path, store: Path | None, inject: list[str]) -> TrainConfig:
+    cfg = tiny_config(
+        out, iterations=10, batch=8, num_dp=4, num_pp=2, num_microbatches=2, ranks_per_node=2
+    )
+    # 8 ranks on 2 cores: stage compute is emulated (timed sleeps, constant gradients) while
+    # every checkpoint byte, transfer and decode is real
+    cfg = dataclasses.replace(
+        cfg, compute="emulated", emulated_times={"fwd": [0.002, 0.002], "bwd": [0.004, 0.004]}
+    )
+    if store is not None:
+        cfg.checkpoint = CheckpointConfig(
+            redundancy="rs:2+2",
+            persist_every=0,
+            profile_iters=2,
+            store_root=str(store),
+            inject=inject,
+            timeout_s=30.0,
+            max_restarts=3,
+        )
+    return cfg
+
+
+@pytest.mark.slow
+def test_rs_code_on_8_ranks_rebuilds_two_lost_nodes_at_once(tmp_path: Path, store: Path) -> None:
+    """8 ranks (dp=4 x pp=2) on 4 simulated nodes, rs:2+2 across them. Node 1 dies at
+    the step of iteration 6; while the job restores from that, node 2 dies too (both
+    stores gone). The restore that finally completes has two nodes' shards missing at
+    once, which only the two parities of rs:2+2 can rebuild."""
+    ref = run_job(_rs_config(tmp_path / "ref", None, []))
+    failed = run_job(
+        _rs_config(tmp_path / "rs", store, ["node:1,iter=6", "node:2,iter=5,at=recovery"])
+    )
+    assert_same_training(failed, ref, 10)
+    (r,) = failed["summary"]["recoveries"]
+    assert r["attempt"] == 2, r  # the first restore was cut short by node 2's loss
+    assert r["source"] == "memory" and r["restored_version"] in (5, 6), r
+    lost = {"2", "3", "4", "5"}  # ranks of nodes 1 and 2
+    assert r["sources"] == {str(k): "parity" if str(k) in lost else "local" for k in range(8)}, r
+    assert r["lost_iterations"] == 6 - r["restored_version"]
