@@ -153,6 +153,10 @@ class CheckpointConfig:
     host_work: str = "auto"
     """Where checksums and redundancy sends run: "bubbles" (only while the rank waits),
     "always" (a background thread), "auto" (bubbles when the CPU also computes)."""
+    exchange: str = "auto"
+    """How redundancy moves between ranks: "auto" (ranks whose stores share one host's
+    memory read each other's committed bytes directly; the network transport only between
+    hosts) or "network" (always the transport, e.g. to measure it)."""
     cost: dict[str, float] | None = None
     """Cost-model override (copy_Bps, net_Bps, encode_Bps, persist_Bps, interference);
     None measures it at the end of profiling (about a second, rank 0)."""
@@ -231,6 +235,8 @@ class TrainConfig:
                 raise ValueError("profile_iters must be >= 1")
             if ck.host_work not in ("auto", "bubbles", "always"):
                 raise ValueError("host_work must be auto, bubbles or always")
+            if ck.exchange not in ("auto", "network"):
+                raise ValueError(f"exchange must be auto or network, got {ck.exchange!r}")
             if ck.timeout_s <= 0:
                 raise ValueError("--timeout must be > 0 seconds")
             from baft.store.coding import Redundancy, coding_groups

@@ -24,6 +24,9 @@ Lifecycle (all ranks in lock-step, driven by the trainer's :class:`StepHooks`):
 from __future__ import annotations
 
 import json
+import logging
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -55,9 +58,12 @@ from baft.profile.bubbles import bubble_map
 from baft.profile.timeline import parse_record
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
+from baft.store.peer import PeerStore
 from baft.store.shm import MemoryBudgetError, SnapshotStore
 from baft.train.mesh import Mesh
 from baft.train.trainer import StepRunner
+
+log = logging.getLogger("baft")
 
 REPLAN_AFTER_CHECKPOINTS = 3
 COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
@@ -67,6 +73,19 @@ the copier hashes on the way), ``hash`` (a separate checksum pass: CUDA only), `
 (waiting for network receives and peers' progress), ``encode`` (parity), and
 ``deadline_wait`` (the training thread waiting for copies at the step deadline)."""
 """Checkpoints after which the measured snapshot copy rate is compared with the plan's."""
+
+
+def host_id() -> str:
+    """This machine in this boot: ranks with equal ids share host memory. ``BAFT_HOST_ID``
+    overrides it (tests that play several hosts on one machine)."""
+    override = os.environ.get("BAFT_HOST_ID")
+    if override:
+        return override
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 class _Version:
@@ -130,6 +149,8 @@ class CheckpointEngine:
         rng_name = f"extra.pp{c.pp}.tp{c.tp}.rng"
         self.flat = FlatState([*trainer.named_state(), (rng_name, self._rng)])
         self.recovery: Any = None
+        self.peers: dict[int, PeerStore] = {}
+        """Other ranks on this host -> their stores (see _find_same_host_peers)."""
         self.skip_version: int | None = None
         self.copier = device_copy_for(mesh.device, emulated=cfg.compute == "emulated")
         # Host-side protect work waits for bubbles only when the host also computes.
@@ -169,7 +190,9 @@ class CheckpointEngine:
         )
 
     def start(self, resume_iteration: int) -> None:
-        """Prepare for training from ``resume_iteration`` (re-plans at once after a restart)."""
+        """Prepare for training from ``resume_iteration`` (re-plans at once after a restart).
+        Collective: every rank calls it once."""
+        self._find_same_host_peers()
         self.plan_iteration = max(resume_iteration, 0) + self.ck.profile_iters
         saved = self.run_dir / PLAN_INPUT_FILE
         if saved.exists():
@@ -183,6 +206,19 @@ class CheckpointEngine:
                 rank=self.rank,
                 timeout_s=self.ck.timeout_s * 10,
             )
+
+    def _find_same_host_peers(self) -> None:
+        """Ranks whose stores live in this host's memory (same boot of the same machine and
+        a store directory visible here): redundancy between them moves through the store,
+        not the network (``exchange=auto``). Collective."""
+        me = {"host": host_id(), "store": str(self.store.path)}
+        everyone = self.transport.all_gather_object(me)
+        self.peers = {}
+        if self.ck.exchange != "auto":
+            return
+        for r, info in enumerate(everyone):
+            if r != self.rank and info["host"] == me["host"]:
+                self.peers[r] = PeerStore(info["store"], r)
 
     def _gather_and_plan(self) -> None:
         records = [parse_record(d) for d in self._profile]
@@ -277,6 +313,15 @@ class CheckpointEngine:
             self.rank,
             self.transport,
             self.policy.max_chunk_bytes,
+            peers=self.peers,
+            timeout_s=self.ck.timeout_s,
+        )
+        paths = self.exchange.paths()
+        log.info(
+            "rank %d redundancy per version: %d B in from same-host stores, %d B over the network",
+            self.rank,
+            paths["shm"],
+            paths["net"],
         )
         self._slot_tasks, self._all_tasks = {}, []
         for slot_id, tasks in list(rp.tasks.items()) + [("__spill__", rp.spilled)]:
@@ -343,6 +388,8 @@ class CheckpointEngine:
             self._snapshot(v, task, pieces, timeline, slot_id, exposed=False)
             if len(v.done) == 1:
                 self._fire("snapshot", timeline.iteration)
+        if self.exchange is not None and self.exchange.peers:
+            self.worker.submit(self._pull)  # same-host peers' progress
         self.worker.open()
 
     def after_slot(self, slot_id: str) -> None:
@@ -379,6 +426,9 @@ class CheckpointEngine:
             self._fire("transfer", iteration)
             self.worker.drain()  # checksums and sends not done in bubbles: exposed
             encoded = self.exchange.finish() if self.exchange is not None else 0
+            if self.exchange is not None:
+                for name, sec in self.exchange.seconds.items():
+                    v.seconds[name] += sec
             complete = self.store.path.exists()  # a store wiped under a live rank loses v
             if complete:
                 self._complete(v, iteration)
@@ -419,7 +469,8 @@ class CheckpointEngine:
         red = torch.from_numpy(self.store.red_view(slot))
         self._cur = _Version(iteration, slot, data, red)
         if self.exchange is not None:
-            self.exchange.begin(data, red)
+            self.exchange.begin(data, red, iteration)
+        self.store.publish(iteration, slot, 0)
         return self._cur
 
     def _snapshot(
@@ -475,11 +526,20 @@ class CheckpointEngine:
             v.seconds["hash"] += time.perf_counter() - t0
         v.checksums[chunk_id] = copy.checksum
         v.protected.add(chunk_id)
+        before = v.covered
         while (nxt := self._chunk_by_offset.get(v.covered)) and nxt[0] in v.protected:
             v.covered = nxt[1]
+        if v.covered != before:
+            self.store.publish(v.version, v.slot, v.covered)
         if self.exchange is not None:
             for piece in self.exchange.take_sends(v.covered):
                 self.exchange.send_now(piece)
+            self.exchange.pull_ready()
+
+    def _pull(self) -> None:
+        """Worker: copy whatever same-host peers have finished of the current version."""
+        if self.exchange is not None:
+            self.exchange.pull_ready()
 
     def _run_all(self, v: _Version) -> None:
         """naive-async (on the worker): snapshot and protect everything at once."""
@@ -498,7 +558,8 @@ class CheckpointEngine:
             ChunkRecord(t.chunk_id, t.offset - rp.owned_start, t.nbytes, v.checksums[t.chunk_id])
             for t, _ in self._all_tasks
         )
-        regions = region_records(v.red.numpy(), self.group_layout.regions(self.rank))
+        known = self.exchange.region_checksums if self.exchange is not None else {}
+        regions = region_records(v.red.numpy(), self.group_layout.regions(self.rank), known)
         meta = {
             "position": iteration,
             "flat_nbytes": self.flat.nbytes,
@@ -598,6 +659,7 @@ class CheckpointEngine:
                 "snapshot": v.snapshot_bytes if v else 0,
                 "send": ex.bytes_sent if (v and ex) else 0,
                 "recv": ex.bytes_received if (v and ex) else 0,
+                "pull": ex.bytes_pulled if (v and ex) else 0,
             },
         }
 

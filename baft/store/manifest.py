@@ -11,7 +11,7 @@ round-trip) so the pure recovery coordinator can reason about them.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -72,12 +72,18 @@ def chunk_records(
     return tuple(out)
 
 
-def region_records(red: np.ndarray, regions: Sequence[Region]) -> tuple[RegionRecord, ...]:
-    """Checksums of the given regions of a redundancy area."""
+def region_records(
+    red: np.ndarray, regions: Sequence[Region], known: Mapping[int, int] | None = None
+) -> tuple[RegionRecord, ...]:
+    """Checksums of the given regions of a redundancy area; ``known`` holds those already
+    computed where the bytes were written (region id -> xxh3), the rest are hashed here."""
     out = []
+    known = known or {}
     for r in regions:
-        view = red[r.offset : r.offset + r.nbytes]
-        out.append(RegionRecord(r.region_id, r.offset, r.nbytes, checksum(view)))
+        digest = known.get(r.region_id)
+        if digest is None:
+            digest = checksum(red[r.offset : r.offset + r.nbytes])
+        out.append(RegionRecord(r.region_id, r.offset, r.nbytes, digest))
     return tuple(out)
 
 

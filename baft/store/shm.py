@@ -2,8 +2,10 @@
 
 Layout: ``{root}/{job_id}/node{node}/rank{rank}/`` holding two version slots
 (``slot{s}.data`` = the rank's shard, ``slot{s}.red`` = its redundancy area,
-``slot{s}.json`` = the slot's manifest) and ``commit.json`` (newest globally committed
-version). Files are preallocated, pre-faulted and memory-mapped; the engine writes
+``slot{s}.json`` = the slot's manifest), ``commit.json`` (newest globally committed
+version) and ``progress`` (which version the rank is writing into which slot and how many
+of its shard bytes are final: what a same-host peer reads before pulling them, see
+:mod:`baft.store.peer`). Files are preallocated, pre-faulted and memory-mapped; the engine writes
 through ``data_view`` / ``red_view`` (numpy, wrap with ``torch.from_numpy``).
 
 Version protocol (crash-safe at every point, manifests replaced atomically):
@@ -40,6 +42,8 @@ PAGE = mmap.PAGESIZE
 MANIFEST_RESERVE_BYTES = 3 * 64 * 1024
 """Budget set aside for the two slot manifests and the commit record."""
 NUM_SLOTS = 2
+PROGRESS_FILE = "progress"
+"""Four int64: version being written, its slot, shard bytes final so far, a change count."""
 _KINDS = ("data", "red")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -85,6 +89,8 @@ class SnapshotStore:
         self._maps: dict[tuple[int, str], mmap.mmap | None] = {}
         self._views: dict[tuple[int, str], np.ndarray] = {}
         self._sizes: tuple[int, int] | None = None
+        self._progress: np.ndarray | None = None
+        self._progress_map: mmap.mmap | None = None
 
     # ------------------------------------------------------------- allocation
     @staticmethod
@@ -128,6 +134,34 @@ class SnapshotStore:
             for kind, n in sizes.items():
                 self._map_rw(slot, kind, n)
         self._sizes = (data_nbytes, red_nbytes)
+        self._map_progress()
+
+    def _map_progress(self) -> None:
+        fd = os.open(self.path / PROGRESS_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != PAGE:
+                os.ftruncate(fd, PAGE)
+            self._progress_map = mmap.mmap(fd, PAGE)
+        finally:
+            os.close(fd)
+        self._progress = np.frombuffer(self._progress_map, np.int64, count=4)
+        self._progress[:3] = (-1, -1, 0)
+
+    def publish(self, version: int, slot: int, covered: int) -> None:
+        """Tell same-host readers that the first ``covered`` shard bytes of ``version`` in
+        ``slot`` are final. Fields are written so that a reader that sees the version
+        also sees its slot (readers re-check the version after reading; x86-TSO order)."""
+        p = self._progress
+        if p is None:
+            raise RuntimeError(f"rank {self.rank} store: call allocate() first")
+        if p[0] != version:
+            p[0] = -1
+            p[1] = slot
+            p[2] = covered
+            p[0] = version
+        else:
+            p[2] = covered
+        p[3] += 1
 
     def _make_dirs(self) -> None:
         for p in (self.root, self.root / self.job_id, self.path.parent, self.path):
@@ -189,6 +223,13 @@ class SnapshotStore:
     def close(self) -> None:
         """Drop this process's mappings (files and contents stay)."""
         self._views.clear()
+        self._progress = None
+        if self._progress_map is not None:
+            try:
+                self._progress_map.close()
+            except BufferError:
+                pass
+            self._progress_map = None
         for mm in self._maps.values():
             if mm is not None:
                 try:

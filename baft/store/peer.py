@@ -1,0 +1,75 @@
+"""Read-only view of another rank's store on the same host: move redundancy bytes once.
+
+Ranks whose stores live in one host's memory (the ranks of one node in production,
+simulated failure domains on one machine in tests) do not need a socket to exchange
+redundancy: the holder maps the sender's slot file and copies (replicas) or encodes
+(parity) straight from it, one pass over the bytes instead of user -> kernel -> user
+copies through loopback TCP. The sender publishes how far its snapshot of a version has
+got (``SnapshotStore.publish``); a reader only touches bytes the progress record says are
+final. Mappings follow the files: a sender that re-allocates (re-plan) or re-creates its
+store (wiped under a live rank) gets a new file size or inode, and :meth:`refresh` maps
+the new file (an old, unlinked mapping stays readable and is simply dropped).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from baft.store.shm import NUM_SLOTS, PROGRESS_FILE
+
+
+class PeerStore:
+    """Another rank's store directory on this host, mapped read-only on demand."""
+
+    def __init__(self, path: Path | str, rank: int) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self._maps: dict[str, tuple[tuple[int, int], np.ndarray]] = {}
+
+    def _mapped(self, name: str) -> np.ndarray | None:
+        """The file ``name`` mapped read-only, remapped if it changed; None if absent."""
+        try:
+            st = os.stat(self.path / name)
+        except FileNotFoundError:
+            self._maps.pop(name, None)
+            return None
+        key = (st.st_ino, st.st_size)
+        cached = self._maps.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if st.st_size == 0:
+            return None
+        with open(self.path / name, "rb") as f:
+            mm = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_READ)
+        view = np.frombuffer(mm, np.uint8)
+        self._maps[name] = (key, view)
+        return view
+
+    def covered(self, version: int) -> tuple[int, int] | None:
+        """(slot, final shard bytes) of ``version`` as the sender published it, or None
+        while the sender is not writing that version (yet)."""
+        raw = self._mapped(PROGRESS_FILE)
+        if raw is None:
+            return None
+        p = raw[:32].view(np.int64)
+        if int(p[0]) != version:
+            return None
+        slot, covered = int(p[1]), int(p[2])
+        if int(p[0]) != version or slot not in range(NUM_SLOTS):  # changed under us
+            return None
+        return slot, covered
+
+    def data(self, slot: int) -> np.ndarray | None:
+        """The sender's shard file of ``slot`` (read-only), or None if it has none."""
+        return self._mapped(f"slot{slot}.data")
+
+    def refresh(self) -> None:
+        """Forget every mapping (the next access re-stats and maps the current files)."""
+        self._maps.clear()
+
+    def close(self) -> None:
+        self._maps.clear()
