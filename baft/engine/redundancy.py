@@ -19,9 +19,9 @@ vs ``bytes_sent``/``bytes_received``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
