@@ -68,7 +68,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--block-iters", type=int, default=d.block_iters, help="iterations per block (default %(default)s)")  # fmt: skip
     add("--switch-iters", type=int, default=d.num_switch_iters, help="unmeasured iterations after each switch (default %(default)s)")  # fmt: skip
     add("--warmup", type=int, default=d.num_warmup, help="unmeasured iterations at the start and per mode (default %(default)s)")  # fmt: skip
-    add("--modes", default=",".join(ALL_MODES), help="comma-separated modes (default: all)")
+    add("--modes", default=None, help="comma-separated modes (default: all; lm-resiliency and dlrover-flash need pip install -e '.[peers]' and are left out when missing)")  # fmt: skip
     add("--compute", choices=("real", "emulated"), default=d.compute, help="stage compute (default %(default)s)")  # fmt: skip
     add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip
     add("--checkpoint", default=d.checkpoint, metavar="SPEC", help="policy of the engine modes naive-async and baft (default %(default)s)")  # fmt: skip
@@ -113,7 +113,7 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
         block_iters=a.block_iters,
         num_switch_iters=a.switch_iters,
         num_warmup=a.warmup,
-        modes=[m.strip() for m in a.modes.split(",") if m.strip()],
+        modes=_modes(a),
         compute=a.compute,
         out_dir=a.out,
         seed=a.seed,
@@ -123,6 +123,21 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
     )
     cfg.validate()
     return cfg
+
+
+def _modes(a: argparse.Namespace) -> list[str]:
+    """``--modes`` as a list. Named peer modes whose library is missing raise ValueError
+    with the install command; the default (all) leaves them out with a note."""
+    from baft.bench.peers import INSTALL_HINT, missing_peers
+
+    modes = [m.strip() for m in (a.modes or ",".join(ALL_MODES)).split(",") if m.strip()]
+    missing = missing_peers(modes)
+    if missing and a.modes is not None:
+        raise ValueError(f"--modes names {', '.join(missing)}, not installed: {INSTALL_HINT}")
+    if missing:
+        print(f"[bench] note: leaving out {', '.join(missing)} (not installed: {INSTALL_HINT})", file=sys.stderr)  # fmt: skip
+    a.modes = ",".join(m for m in modes if m not in missing)  # command_line() shows what ran
+    return [m for m in modes if m not in missing]
 
 
 def engine_import_error() -> str | None:
@@ -166,6 +181,10 @@ def _clean(cfg: OverheadConfig) -> None:
     for mode in ENGINE_MODES:
         shutil.rmtree(out / f"engine-{mode}", ignore_errors=True)
         shutil.rmtree(Path(cfg.store_root) / engine_job_id(cfg.out_dir, mode), ignore_errors=True)
+    if "dlrover-flash" in cfg.modes:  # shared memory and sockets, also after a crash
+        from baft.bench.peers import clean_dlrover, dlrover_run_id
+
+        clean_dlrover(dlrover_run_id(cfg.out_dir))
 
 
 def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
@@ -276,6 +295,7 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     lines.append("")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"- skipped `{name}`: {why}")
+    lines += _protection_lines(list(result["modes"]))
     if emulated and result.get("emulated_times"):
         t = result["emulated_times"]
         lines.append(
@@ -297,6 +317,24 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     if plot:
         lines += [f"![iteration times per mode]({plot})", ""]
     return "\n".join(lines)
+
+
+def _protection_lines(modes: list[str]) -> list[str]:
+    """What each peer mode's snapshot survives, when the run compared peers."""
+    from baft.bench.peers import PROTECTS
+
+    peers = [m for m in modes if m in PROTECTS]
+    if not peers:
+        return []
+    lines = ["- what each mode's per-iteration copy survives, as run here:"]
+    if "baft" in modes:
+        lines.append(
+            "  - `baft`: process crash: yes (shared-memory store outlives the process); "
+            "loss of a node: yes with cross-node redundancy (see --checkpoint); "
+            "power loss: only from its DCP persists (`persist=` in --checkpoint)"
+        )
+    lines += [f"  - `{m}`: {PROTECTS[m]}" for m in peers]
+    return lines
 
 
 def plot_iterations(raw: dict[str, Any], path: Path, *, title: str) -> None:
@@ -326,7 +364,10 @@ def write_results(
     (``.raw.json``) under ``results_dir``."""
     date = _dt.date.today().isoformat()
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"overhead-{result['compute']}-{date}"
+    from baft.bench.overhead import PEER_MODES
+
+    peers = any(m in PEER_MODES for m in result["modes"])  # own page, beside the plain one
+    stem = f"{'peers-' if peers else ''}overhead-{result['compute']}-{date}"
     tag = " (EMULATED)" if result["compute"] == "emulated" else ""
     plot_iterations(raw, results_dir / f"{stem}.png", title=f"iteration time per mode{tag}")
     (results_dir / f"{stem}.raw.json").write_text(json.dumps(raw) + "\n")

@@ -26,7 +26,9 @@ BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
 """Modes implemented in :mod:`baft.bench.baselines`."""
 ENGINE_MODES = ("naive-async", "baft")
 """Modes provided by ``baft.engine.engine.CheckpointEngine``."""
-ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES)
+PEER_MODES = ("lm-resiliency", "dlrover-flash")
+"""Modes backed by published libraries (:mod:`baft.bench.peers`, the ``peers`` extra)."""
+ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES, *PEER_MODES)
 """Every mode ``baft bench overhead`` knows, in report order."""
 
 RAW_FILE = "overhead-raw.json"
@@ -284,6 +286,16 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
         return None
     if mode in BASELINE_MODES:
         return make_baseline(mode, trainer, Path(bcfg.out_dir) / "ckpt")
+    if mode in PEER_MODES:
+        from baft.bench.peers import make_peer
+
+        return make_peer(
+            mode,
+            trainer,
+            Path(bcfg.out_dir) / "ckpt",
+            out_dir=bcfg.out_dir,
+            ranks_per_node=bcfg.ranks_per_node,
+        )
     from baft.engine.engine import CheckpointEngine
 
     run_dir = Path(bcfg.out_dir) / f"engine-{mode}"
