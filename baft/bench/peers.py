@@ -37,7 +37,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -185,7 +185,8 @@ class LmResiliencyHooks(_BaselineHooks):
             group=dist.group.WORLD,
             device=torch.device("cpu"),
         )
-        self.manager = self.handle.ckpt_manager  # ResiliencyHandle (typed as the Protocol)
+        # a ResiliencyHandle, typed as the ResiliencySession protocol (no ckpt_manager there)
+        self.manager: Any = cast(Any, self.handle).ckpt_manager
 
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
         self.trainer_iteration = iteration
