@@ -282,7 +282,9 @@ class DlroverFlashHooks(_BaselineHooks):
         engine.close()
         saver = getattr(engine, "saver_proc", None)
         if saver is not None and saver.is_alive():
-            saver.terminate()
+            # SIGKILL: nothing to persist in memory-only mode, and a forked saver may have
+            # inherited another library's SIGTERM handler (lm-resiliency flushes on it)
+            saver.kill()
             saver.join(timeout=10)
         if dist.is_initialized():
             dist.barrier()  # every rank has closed its mapping before local rank 0 unlinks
