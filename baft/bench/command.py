@@ -293,6 +293,7 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
             f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
         )
     lines.append("")
+    lines += _component_lines(result)
     for name, why in result.get("skipped", {}).items():
         lines.append(f"- skipped `{name}`: {why}")
     lines += _protection_lines(list(result["modes"]))
@@ -317,6 +318,50 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     if plot:
         lines += [f"![iteration times per mode]({plot})", ""]
     return "\n".join(lines)
+
+
+def _rank_value(per: dict[str, Any], field: str, rank: int, scale: float) -> str:
+    values = per.get(field) or []
+    return _fmt(values[rank] if rank < len(values) else None, ".1f", scale)
+
+
+def _component_lines(result: dict[str, Any]) -> list[str]:
+    """Per rank and iteration: where protect time goes, next to the idle time offered."""
+    from baft.bench.overhead import COMPONENTS
+
+    rows = []
+    for name, m in result["modes"].items():
+        per = m.get("per_rank") or {}
+        if name == "none" or not per.get("cpu_s"):
+            continue
+        for rank in range(len(per["cpu_s"])):
+            cells = [
+                _rank_value(per, f, rank, scale)
+                for f, scale in [
+                    ("blocked_s", 1e3),
+                    ("protect_cpu_s", 1e3),
+                    *((f"{c}_s", 1e3) for c in COMPONENTS),
+                    ("pull_bytes", 2**-20),
+                    ("net_bytes", 2**-20),
+                ]
+            ]
+            rows.append(f"| {name} | {rank} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "Per rank and iteration (medians): the idle time the pipeline offers (`blocked`), "
+        "the CPU the mode adds over `none` (every thread of the rank's process), protect "
+        "seconds by component (wall seconds on the thread doing it; `copy` includes hashing "
+        "where the copier hashes on the way) and redundancy MiB taken in per path "
+        "(same-host store pull vs network).",
+        "",
+        "| mode | rank | blocked ms | added CPU ms | "
+        + " | ".join(f"{c} ms" for c in COMPONENTS)
+        + " | pulled MiB | network MiB |",
+        "|---|---|---|---|" + "---|" * len(COMPONENTS) + "---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _protection_lines(modes: list[str]) -> list[str]:

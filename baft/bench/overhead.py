@@ -33,8 +33,25 @@ ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES, *PEER_MODES)
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
-FIELDS = ("iter_s", "exposed_s", "in_bubble_s", "bytes")
-"""Per-iteration, per-rank values recorded for every mode."""
+COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
+"""Protect components the engine times per version (``CheckpointEngine`` COMPONENTS)."""
+PATH_BYTES = ("pull_bytes", "net_bytes")
+"""Redundancy bytes a rank took in per iteration: from same-host stores, over the network."""
+FIELDS = (
+    "iter_s",
+    "exposed_s",
+    "in_bubble_s",
+    "bytes",
+    "cpu_s",
+    "blocked_s",
+    *(f"{c}_s" for c in COMPONENTS),
+    *PATH_BYTES,
+)
+"""Per-iteration, per-rank values recorded for every mode: ``cpu_s`` is the process's CPU
+seconds in the iteration (every thread), ``blocked_s`` the training thread's seconds in
+pipeline waits (the idle time the pipeline offers), then protect seconds by component."""
+PER_RANK = ("cpu_s", "blocked_s", *(f"{c}_s" for c in COMPONENTS), *PATH_BYTES)
+"""Fields reported per rank (median over iterations)."""
 
 
 def engine_job_id(out_dir: str, mode: str) -> str:
@@ -184,6 +201,11 @@ def summarize_mode(samples: dict[str, list[list[float]]]) -> dict[str, Any]:
         "bytes_per_iter": _median([sum(row) for row in samples["bytes"]]),
         "bytes_per_rank": [_median(list(col)) for col in zip(*samples["bytes"], strict=True)],
         "num_iters": len(iter_s),
+        "per_rank": {
+            f: [_median(list(col)) for col in zip(*samples[f], strict=True)]
+            for f in PER_RANK
+            if samples.get(f)
+        },
     }
 
 
@@ -209,7 +231,13 @@ def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dic
     ref = modes["none"]["median_iter_s"]
     none_iters = raw["modes"]["none"]["iter_s"]
     block_iters = raw["config"]["block_iters"]
+    none_cpu = modes["none"]["per_rank"].get("cpu_s")
     for name, m in modes.items():
+        cpu = m["per_rank"].get("cpu_s")
+        if cpu and none_cpu:  # CPU the mode adds per rank and iteration, every thread
+            m["per_rank"]["protect_cpu_s"] = [
+                a - b for a, b in zip(cpu, none_cpu, strict=True) if a is not None and b is not None
+            ]
         m["ratio_vs_none"] = m["median_iter_s"] / ref if ref else None
         m["paired_ratio_vs_none"] = paired_ratio(
             raw["modes"][name]["iter_s"], none_iters, block_iters
@@ -359,14 +387,30 @@ def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[floa
     """Run ``num`` iterations from ``first``; rows of this rank's FIELDS values."""
     rows = []
     for it in range(first, first + num):
-        start = time.perf_counter()
-        trainer.train_step(it)
-        elapsed = time.perf_counter() - start
+        start, cpu0 = time.perf_counter(), time.process_time()
+        res = trainer.train_step(it)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
         m = getattr(hooks, "last_metrics", None) or {}
         nbytes = m.get("bytes", 0.0)
-        if isinstance(nbytes, dict):  # the engine reports {"snapshot", "send", "recv"}
+        pull = net = 0.0
+        if isinstance(nbytes, dict):  # the engine reports {"snapshot", "send", "recv", "pull"}
+            pull, net = float(nbytes.get("pull", 0)), float(nbytes.get("recv", 0))
             nbytes = nbytes.get("snapshot", 0)
-        rows.append([elapsed, m.get("exposed_s", 0.0), m.get("in_bubble_s", 0.0), float(nbytes)])
+        seconds = m.get("seconds") or {}
+        blocked = res.timeline.blocked_s() if hasattr(res, "timeline") else 0.0
+        rows.append(
+            [
+                elapsed,
+                m.get("exposed_s", 0.0),
+                m.get("in_bubble_s", 0.0),
+                float(nbytes),
+                cpu,
+                blocked,
+                *(float(seconds.get(c, 0.0)) for c in COMPONENTS),
+                pull,
+                net,
+            ]
+        )
     return rows
 
 

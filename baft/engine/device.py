@@ -123,12 +123,13 @@ class HostCopy:
 
 class ThreadCopy:
     """Accelerator semantics on the host (``--compute emulated``): a copy thread plays
-    the DMA engine. ``start`` only queues; the thread copies and hashes in FIFO order at
-    low CPU priority; ``synchronize`` (the step deadline) waits for the queue."""
+    the DMA engine. ``start`` only queues; the thread copies and hashes in FIFO order;
+    ``synchronize`` (the step deadline) waits for the queue. It keeps normal priority by
+    default: a DMA engine is not scheduled behind other work, and the step waits for it."""
 
     asynchronous = True
 
-    def __init__(self, *, idle_priority: bool = True) -> None:
+    def __init__(self, *, idle_priority: bool = False) -> None:
         self._queue: queue.Queue[tuple[Sequence[Pair], ChunkCopy] | None] = queue.Queue()
         self._idle_priority = idle_priority
         self._error: BaseException | None = None

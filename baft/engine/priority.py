@@ -28,15 +28,25 @@ def background_priority() -> str:
 
 def lower_thread_priority() -> bool:
     """Put the calling thread at ``SCHED_IDLE`` (when configured); True if it took."""
-    global _warned
     if background_priority() != "idle":
         return False
+    return set_thread_idle(threading.get_native_id(), True)
+
+
+def set_thread_idle(native_id: int, idle: bool) -> bool:
+    """Move a thread of this process to ``SCHED_IDLE`` or back to ``SCHED_OTHER``.
+
+    Waiting on an idle-priority thread is a priority inversion: while the training
+    thread waits for it (the worker's drain at the step), any runnable thread of another
+    rank starves it. So whoever waits raises it for the wait and lowers it again after.
+    """
+    global _warned
     setter = getattr(os, "sched_setscheduler", None)
-    policy = getattr(os, "SCHED_IDLE", None)
+    policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
     if setter is None or policy is None:
         return False
     try:
-        setter(threading.get_native_id(), policy, os.sched_param(0))
+        setter(native_id, policy, os.sched_param(0))
     except OSError as err:
         if not _warned:
             _warned = True

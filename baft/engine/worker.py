@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from baft.engine.priority import lower_thread_priority
+from baft.engine.priority import lower_thread_priority, set_thread_idle
 
 
 class ProtectWorker:
@@ -32,8 +32,12 @@ class ProtectWorker:
         if not gated:
             self._gate.set()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._idle = False
+        self._native_id = 0
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
         self._thread.start()
+        started.wait()
 
     def submit(self, item: Callable[[], None]) -> None:
         self._queue.put(item)
@@ -48,9 +52,15 @@ class ProtectWorker:
             self._gate.clear()
 
     def drain(self) -> None:
-        """Run everything queued now and wait for it; re-raises a worker failure."""
+        """Run everything queued now and wait for it; re-raises a worker failure. The
+        thread runs at normal priority while the caller waits for it (no inversion)."""
         self._gate.set()
-        self._queue.join()
+        boosted = self._idle and set_thread_idle(self._native_id, False)
+        try:
+            self._queue.join()
+        finally:
+            if boosted:
+                set_thread_idle(self._native_id, True)
         self.close()
         if self._error is not None:
             err, self._error = self._error, None
@@ -61,8 +71,10 @@ class ProtectWorker:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
-    def _run(self) -> None:
-        lower_thread_priority()
+    def _run(self, started: threading.Event) -> None:
+        self._native_id = threading.get_native_id()
+        self._idle = lower_thread_priority()
+        started.set()
         while True:
             item = self._queue.get()
             try:

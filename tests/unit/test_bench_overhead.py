@@ -168,3 +168,36 @@ def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
     cfg = OverheadConfig(modes=["none", "baft"], num_blocks=2, block_iters=3, num_warmup=1)
     # 1 global warm-up + 2 modes x (1 warm-up + 2 blocks x (1 switch + 3)) + 3 profiling
     assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3
+
+
+def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
+    """Per rank: blocked time, CPU over `none`, component seconds and bytes per path."""
+    from baft.bench.overhead import COMPONENTS
+
+    raw = _raw()
+    iters = 3
+    raw["modes"]["none"]["cpu_s"] = [[0.10, 0.20]] * iters
+    raw["modes"]["baft"]["cpu_s"] = [[0.13, 0.26]] * iters
+    raw["modes"]["baft"]["blocked_s"] = [[0.05, 0.04]] * iters
+    raw["modes"]["baft"]["copy_s"] = [[0.007, 0.008]] * iters
+    raw["modes"]["baft"]["pull_bytes"] = [[2.0 * 2**20, 3.0 * 2**20]] * iters
+    raw["modes"]["baft"]["net_bytes"] = [[0.0, 0.0]] * iters
+    result = summarize(raw)
+    per = result["modes"]["baft"]["per_rank"]
+    assert per["protect_cpu_s"] == pytest.approx([0.03, 0.06])
+    assert per["copy_s"] == [0.007, 0.008]
+    page = render_markdown(result, command="baft bench overhead", date="2026-12-03", plot=None)
+    header = "| mode | rank | blocked ms | added CPU ms | " + " | ".join(
+        f"{c} ms" for c in COMPONENTS
+    )
+    assert header in page
+    assert "| baft | 0 | 50.0 | 30.0 | 7.0 |" in page
+    assert page.count("| baft | 1 | 40.0 | 60.0 | 8.0 |") == 1
+    assert "| 3.0 | 0.0 |" in page  # rank 1 pulled 3 MiB, nothing over the network
+
+
+def test_bench_components_match_the_engine() -> None:
+    from baft.bench.overhead import COMPONENTS
+    from baft.engine.engine import COMPONENTS as ENGINE_COMPONENTS
+
+    assert COMPONENTS == ENGINE_COMPONENTS
