@@ -1,0 +1,107 @@
+"""The device-copy seam: host and thread copiers copy the same bytes and hash them on the
+way to the digest a separate pass would give; the thread copier only starts copies."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from baft.engine.device import (
+    HASH_BLOCK_BYTES,
+    HostCopy,
+    ThreadCopy,
+    copy_hash,
+    device_copy_for,
+)
+from baft.engine.flat import FlatState
+from baft.store.manifest import checksum
+
+
+def _state() -> FlatState:
+    g = torch.Generator().manual_seed(0)
+    return FlatState(
+        [
+            ("a", torch.randn(3 * HASH_BLOCK_BYTES // 4 + 5, generator=g)),  # spans blocks
+            ("b", torch.randint(0, 1000, (17,), generator=g)),
+            ("c", torch.tensor(3.5, dtype=torch.float64)),
+        ]
+    )
+
+
+def test_copy_hash_equals_a_separate_hash_of_the_copied_bytes() -> None:
+    flat = _state()
+    out = torch.zeros(flat.nbytes, dtype=torch.uint8)
+    digest = copy_hash(flat.pairs(flat.pieces(0, flat.nbytes), out))
+    expected = torch.cat([t.reshape(-1).view(torch.uint8) for t in flat.tensors])
+    assert torch.equal(out, expected)
+    assert digest == checksum(out.numpy())
+
+
+@pytest.mark.parametrize("copier_cls", [HostCopy, ThreadCopy])
+def test_copiers_give_identical_bytes_and_checksums_per_chunk(copier_cls: type) -> None:
+    flat = _state()
+    copier = copier_cls()
+    out = torch.zeros(flat.nbytes, dtype=torch.uint8)
+    bounds = [0, 1000, HASH_BLOCK_BYTES + 3, flat.nbytes]  # chunks cut mid-tensor
+    copies = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        copies.append((lo, hi, copier.start(flat.pairs(flat.pieces(lo, hi), out[lo:hi]))))
+    copier.synchronize()
+    for lo, hi, c in copies:
+        c.wait(5.0)
+        assert c.done() and c.nbytes == hi - lo
+        assert c.checksum == checksum(out[lo:hi].numpy())
+    expected = torch.cat([t.reshape(-1).view(torch.uint8) for t in flat.tensors])
+    assert torch.equal(out, expected)
+    copier.shutdown()
+
+
+def test_thread_copy_returns_before_copying_and_synchronize_waits() -> None:
+    """The training thread only starts a copy: with the copy thread held, start() returns
+    and the bytes are not there yet; synchronize() (the step deadline) waits for them."""
+    copier = ThreadCopy()
+    release = threading.Event()
+    blocker = torch.zeros(1, dtype=torch.uint8)
+
+    # hold the copy thread on a first item whose source blocks until released
+    held = threading.Event()
+
+    def slow_pairs() -> list:
+        class Src:
+            def __getitem__(self, key: slice) -> torch.Tensor:
+                held.set()
+                release.wait(5.0)
+                return torch.ones(1, dtype=torch.uint8)
+
+        return [(blocker, Src())]
+
+    first = copier.start(slow_pairs())  # type: ignore[arg-type]
+    src = torch.arange(8, dtype=torch.uint8)
+    dst = torch.zeros(8, dtype=torch.uint8)
+    second = copier.start([(dst, src)])
+    assert held.wait(5.0)
+    assert not second.done() and torch.equal(dst, torch.zeros(8, dtype=torch.uint8))
+    release.set()
+    copier.synchronize()
+    assert first.done() and second.done()
+    assert torch.equal(dst, src) and blocker.item() == 1
+    copier.shutdown()
+
+
+def test_thread_copy_failure_is_raised_at_the_deadline() -> None:
+    copier = ThreadCopy()
+    # a source shorter than its destination: copy_ raises on the copy thread
+    c = copier.start([(torch.zeros(5, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))])
+    with pytest.raises(RuntimeError, match="snapshot copy failed"):
+        copier.synchronize()
+    assert c.done() and c.checksum is None
+    copier.shutdown()
+
+
+def test_device_copy_for_picks_the_seam() -> None:
+    assert isinstance(device_copy_for(torch.device("cpu")), HostCopy)
+    emulated = device_copy_for(torch.device("cpu"), emulated=True)
+    assert isinstance(emulated, ThreadCopy) and emulated.asynchronous
+    emulated.shutdown()
