@@ -12,7 +12,9 @@ fresh job finds empty stores and starts at iteration 0):
    state, which is written into the live parameters and optimizer state; the RNG state
    travels inside the flat state; the data position is the version itself.
 5. **Report.** Rank 0 appends the recovery (version, lost iterations, source of every
-   shard, seconds per phase) to ``RUN_DIR/recoveries.jsonl``.
+   shard, seconds per phase) to ``RUN_DIR/recoveries.jsonl``. After a hang the record
+   also says who hung (``hang``) and splits ``detect`` (freeze to the first rank that
+   noticed) from ``restart``, from the watchdog's ``hangs.jsonl``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from baft.config import TrainConfig
 from baft.engine.engine import CheckpointEngine
 from baft.engine.persister import list_versions, load_version
 from baft.engine.plan_input import persist_name
+from baft.engine.watchdog import read_hangs
 from baft.recover.coordinator import RecoveryPlan, coordinate
 from baft.store.manifest import RankInventory
 from baft.train.mesh import Mesh
@@ -59,6 +62,7 @@ class RecoveryReport:
 
     def first_iteration_done(self, is_main: bool) -> None:
         self.phase("first_iteration", time.time() - self._t_start_first)
+        self.record["resumed_at"] = time.time()
         if is_main:
             with open(self.run_dir / "recoveries.jsonl", "a") as f:
                 f.write(json.dumps(self.record) + "\n")
@@ -166,6 +170,7 @@ def recover_and_start(
     )
     if fault_times:
         report.phase("detect_restart", t_launch - max(fault_times))
+    _report_hang(report, run_dir, attempt, t_launch)
     if t_rdzv > t_launch:
         report.phase("rendezvous", t_rdzv - t_launch)
     report.phase("inventory", t_inventory)
@@ -181,6 +186,24 @@ def recover_and_start(
     engine.start(resume)
     report.first_iteration_started()
     return engine, resume
+
+
+def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: float) -> None:
+    """If a watchdog ended the previous attempt: who hung, and detection apart from restart.
+
+    ``detect`` runs from the suspect's last heartbeat (the freeze, to within one beat
+    period) to the first rank that noticed; ``restart`` from there to this process's start.
+    """
+    hangs = read_hangs(run_dir, attempt - 1) if attempt > 0 else []
+    if not hangs:
+        return
+    first = hangs[0]
+    report.record["hang"] = {
+        k: first.get(k) for k in ("kind", "suspect", "section", "detected_by", "reason")
+    }
+    report.record["detected_at"] = first["detected_at"]
+    report.phase("detect", first["detected_at"] - first["last_seen_at"])
+    report.phase("restart", t_launch - first["detected_at"])
 
 
 def _agree(
@@ -312,6 +335,19 @@ def _rebuild_shard(
     if source.kind == "local":
         assert source.slot is not None
         return _read_file(path / f"slot{source.slot}.data", 0, n)
+    if source.kind == "replica":  # a peer's replica region holds the whole shard
+        (rid,) = source.region_ids[:1]
+        tag = next(
+            tag
+            for tag, t in enumerate(plan.transfers)
+            if t.dst_rank == rank and t.kind == "region" and t.region_id == rid
+        )
+        if received[tag].size < n:
+            raise RestoreError(
+                f"rank {rank}: replica region {rid} of v{plan.version} holds "
+                f"{received[tag].size} bytes, shard has {n}"
+            )
+        return received[tag][:n]
     decode = next((d for d in plan.decodes if d.rank == rank), None)
     if decode is None:
         raise RestoreError(f"rank {rank}: no local shard of v{plan.version} and no decode planned")
