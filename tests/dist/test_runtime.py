@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import statistics
 from pathlib import Path
 
@@ -79,22 +78,24 @@ def test_timeline_shows_1f1b_bubbles(tmp_path: Path) -> None:
     )
     res = run_job(cfg)
     blocked = {r: [] for r in range(2)}
+    # 1F1B shape, as structure (no wall-clock margins): stage 0 runs two forwards before
+    # its first backward (it waits for gradients to travel back from the last stage),
+    # stage 1 alternates; each compute is preceded by the wait slot for its input.
+    order = {0: "F F B F B F B B optimizer", 1: "F B F B F B F B optimizer"}
+    num_waits = {0: 12, 1: 10}
     for r in range(2):
         records = read_timeline(res["out"], r)
         assert [rec["iteration"] for rec in records] == list(range(8))
         for rec in records[2:]:
-            waits = [e for e in rec["events"] if e["cat"] == "wait"]
-            computes = [e for e in rec["events"] if e["cat"] == "compute"]
-            # every F and B of every microbatch is on the timeline, plus the optimizer
-            assert sorted(e["name"] for e in computes) == ["B"] * 4 + ["F"] * 4 + ["optimizer"]
+            events = sorted(rec["events"], key=lambda e: e["start"])
+            waits = [e for e in events if e["cat"] == "wait"]
+            computes = [e for e in events if e["cat"] == "compute"]
+            assert " ".join(e["name"] for e in computes) == order[r]
             slot_ids = [e["slot"] for e in waits if e["kind"] == "p2p"]
-            assert slot_ids == [f"w{k}" for k in range(len(slot_ids))]
+            assert slot_ids == [f"w{k}" for k in range(num_waits[r])]
+            assert waits[-1]["slot"] == "pre_step"
             blocked[r].append(sum(e["end"] - e["start"] for e in waits))
     for r in range(2):
         assert statistics.median(blocked[r]) > 0
     # metrics carry the same per-rank blocked seconds
     assert len(res["metrics"][0]["blocked_s"]) == 2
-    # 1F1B shape: the first stage also waits for gradients to travel back from the last
-    # stage. Per iteration stage 0 idles (p-1)(F+B) = 30 ms, stage 1 only for its first input
-    # (10 ms, F of stage 0), so a clear margin.
-    assert statistics.median(blocked[0]) > statistics.median(blocked[1]) + 0.01

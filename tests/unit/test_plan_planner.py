@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from baft.plan.cost import CostModel
@@ -210,15 +208,10 @@ def check_complete(p: CheckpointPlan, layouts: dict) -> None:
             assert rp.owned_start == 0
 
 
-@pytest.mark.timeout(60)
 def test_plans_4096_ranks_completely() -> None:
+    """Completeness at scale; how fast is measured in benchmarks/planner_speed.py, not here."""
     layouts, bubbles, transfers = big_instance()
-    t0 = time.perf_counter()
     p = plan(bubbles, layouts, CostModel(), CheckpointPolicy(), transfers=transfers)
-    elapsed = time.perf_counter() - t0
-    print(
-        f"\nplanned {len(p.ranks)} ranks (16 slots, 100 tensors, 1 transfer each) in {elapsed:.3f} s"
-    )
     assert len(p.ranks) == 4096
     check_complete(p, layouts)
     assert p.exposed_s == 0.0 and p.lower_bound_s == 0.0

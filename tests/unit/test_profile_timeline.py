@@ -88,12 +88,18 @@ def test_read_timelines_without_files_says_what_is_missing(tmp_path: Path) -> No
         read_timelines(tmp_path)
 
 
-def test_an_unfinished_iteration_reports_its_length_so_far() -> None:
-    from baft.pipeline.recorder import IterationTimeline
+def test_an_unfinished_iteration_reports_its_length_so_far(monkeypatch) -> None:
+    from types import SimpleNamespace
 
-    tl = IterationTimeline(3, 0)
-    time.sleep(0.01)
+    from baft.pipeline import recorder
+
+    clock = [100.0]  # logical time: the recorder's perf_counter reads this
+    monkeypatch.setattr(
+        recorder, "time", SimpleNamespace(time=time.time, perf_counter=lambda: clock[0])
+    )
+    tl = recorder.IterationTimeline(3, 0)
+    clock[0] += 0.25
     so_far = tl.to_json()["iter_s"]  # what a hook (the engine's profile) reads
-    assert so_far >= 0.01
-    done = tl.finish()
-    assert done >= so_far and tl.to_json()["iter_s"] == done
+    assert so_far == 0.25
+    clock[0] += 0.5
+    assert tl.finish() == 0.75 and tl.to_json()["iter_s"] == 0.75
