@@ -316,13 +316,6 @@ class CheckpointEngine:
             peers=self.peers,
             timeout_s=self.ck.timeout_s,
         )
-        paths = self.exchange.paths()
-        log.info(
-            "rank %d redundancy per version: %d B in from same-host stores, %d B over the network",
-            self.rank,
-            paths["shm"],
-            paths["net"],
-        )
         self._slot_tasks, self._all_tasks = {}, []
         for slot_id, tasks in list(rp.tasks.items()) + [("__spill__", rp.spilled)]:
             for t in tasks:
@@ -337,8 +330,14 @@ class CheckpointEngine:
             for t, _ in self._all_tasks
         }
         self.plan_iteration = -1
+        paths = self.exchange.paths()
+        via = (
+            f"; redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
+            f"same-host stores, {paths['net'] / 2**20:.1f} MiB over the network"
+        )
+        log.info("checkpoint plan (%s)%s", source, via)
         if self.rank == 0:
-            print(f"[baft] checkpoint plan ({source}): {plan.reason}", flush=True)
+            print(f"[baft] checkpoint plan ({source}): {plan.reason}{via}", flush=True)
 
     def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int) -> None:
         """Allocate the store; collective, so that a rank over its memory budget (or a
