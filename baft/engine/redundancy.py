@@ -28,14 +28,11 @@ import numpy as np
 import torch
 import xxhash
 
+from baft.engine.device import HASH_BLOCK_BYTES
 from baft.engine.transport import Handle, Transport
 from baft.store.coding import GroupLayout, Region
 from baft.store.manifest import checksum
 from baft.store.peer import PeerStore
-
-PEER_REFRESH_S = 0.2
-"""While waiting for a same-host peer, re-map its files this often (it may have
-re-created its store)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +218,12 @@ class RedundancyExchange:
                     break
                 region = self.regions[p.region_id]
                 lo = region.offset + p.input_offset
-                dst = red[lo : lo + p.nbytes]
-                np.copyto(dst, got)
-                self._hashers.setdefault(p.region_id, xxhash.xxh3_64()).update(dst.data)
+                hasher = self._hashers.setdefault(p.region_id, xxhash.xxh3_64())
+                for b in range(0, p.nbytes, HASH_BLOCK_BYTES):  # hash each block while hot
+                    n = min(HASH_BLOCK_BYTES, p.nbytes - b)
+                    dst = red[lo + b : lo + b + n]
+                    np.copyto(dst, got[b : b + n])
+                    hasher.update(dst.data)
                 copied += p.nbytes
                 i += 1
             self._next_pull[src] = i
@@ -238,7 +238,6 @@ class RedundancyExchange:
         """Pull what is left, waiting (bounded by the timeout) for senders' progress."""
         start = time.perf_counter()
         deadline = start + self.timeout_s
-        next_refresh = start + PEER_REFRESH_S
         pause = 1e-4
         while True:
             self.pull_ready()
@@ -253,10 +252,6 @@ class RedundancyExchange:
                     f"rank {self.rank}: same-host peers {late} did not finish v{self._version} "
                     f"within {self.timeout_s} s"
                 )
-            if now > next_refresh:
-                for peer in self.peers.values():
-                    peer.refresh()
-                next_refresh = now + PEER_REFRESH_S
             time.sleep(pause)
             pause = min(pause * 2, 5e-3)
         self.seconds["recv_wait"] += time.perf_counter() - start

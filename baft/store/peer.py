@@ -7,8 +7,10 @@ redundancy: the holder maps the sender's slot file and copies (replicas) or enco
 copies through loopback TCP. The sender publishes how far its snapshot of a version has
 got (``SnapshotStore.publish``); a reader only touches bytes the progress record says are
 final. Mappings follow the files: a sender that re-allocates (re-plan) or re-creates its
-store (wiped under a live rank) gets a new file size or inode, and :meth:`refresh` maps
-the new file (an old, unlinked mapping stays readable and is simply dropped).
+store (wiped under a live rank) gets a new file size or inode; every access re-stats the
+file (about a microsecond) and maps the new one (an old, unlinked mapping stays readable
+and is simply dropped). An unchanged file keeps its mapping, so its pages are faulted in
+once (``MAP_POPULATE``), not per version.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class PeerStore:
             return cached[1]
         if st.st_size == 0:
             return None
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # shared: no page copies
         with open(self.path / name, "rb") as f:
-            mm = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_READ)
+            mm = mmap.mmap(f.fileno(), st.st_size, flags=flags, prot=mmap.PROT_READ)
         view = np.frombuffer(mm, np.uint8)
         self._maps[name] = (key, view)
         return view
@@ -66,10 +69,6 @@ class PeerStore:
     def data(self, slot: int) -> np.ndarray | None:
         """The sender's shard file of ``slot`` (read-only), or None if it has none."""
         return self._mapped(f"slot{slot}.data")
-
-    def refresh(self) -> None:
-        """Forget every mapping (the next access re-stats and maps the current files)."""
-        self._maps.clear()
 
     def close(self) -> None:
         self._maps.clear()
