@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
 from baft.config import CheckpointConfig, TrainConfig
+from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.topology import Topology
 from baft.train.launch import default_job_id
 from baft.train.mesh import Mesh, mesh_view, pick_device
@@ -60,10 +61,13 @@ class Protected:
         runner: StepRunner,
         cfg: TrainConfig,
         mesh: Mesh,
+        watchdog: Watchdog | NoWatchdog | None = None,
     ) -> None:
         self.runner = runner
         self.cfg = cfg
         self.mesh = mesh
+        self.watchdog = watchdog or NoWatchdog()
+        """Heartbeat and hang detection (see :mod:`baft.engine.watchdog`)."""
         self.engine: Any = None
         self._t_launch = time.time()
         self._reported = False
@@ -81,9 +85,10 @@ class Protected:
         if self.cfg.checkpoint is None:
             return 0
         Path(self.cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        self.engine, resume = recover_and_start(
-            self.cfg, self.mesh, self.runner, t_launch=self._t_launch, t_rdzv=self._t_launch
-        )
+        with self.watchdog.section("restore"):
+            self.engine, resume = recover_and_start(
+                self.cfg, self.mesh, self.runner, t_launch=self._t_launch, t_rdzv=self._t_launch
+            )
         return resume
 
     def step(
@@ -96,7 +101,8 @@ class Protected:
                 "snapshot stores and returns the iteration to resume from); without it "
                 "nothing would be checkpointed"
             )
-        res = self.runner.run_step(iteration, inputs, target)
+        with self.watchdog.section(f"iteration {iteration}"):
+            res = self.runner.run_step(iteration, inputs, target)
         if self.mesh.rank == 0 and self.engine is not None:
             # lets a later recovery count the iterations it loses
             (Path(self.cfg.out_dir) / "progress.json").write_text(f'{{"iteration": {iteration}}}')
@@ -112,9 +118,11 @@ class Protected:
         return dict(self.engine.last_metrics) if self.engine is not None else {}
 
     def close(self) -> None:
-        """Finish the last commit and any background persist."""
+        """Finish the last commit and any background persist; stop the watchdog."""
         if self.engine is not None:
-            self.engine.close()
+            with self.watchdog.section("close"):
+                self.engine.close()
+        self.watchdog.stop()
 
 
 def protect(
@@ -132,7 +140,9 @@ def protect(
     ``device_mesh`` has dims named ``pp``, ``dp``, ``tp`` (default: every rank a pipeline
     stage). With dp > 1 baft averages gradients over the ``dp`` dim itself (do not wrap the
     stages in DDP). ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
-    ``run_dir/checkpoints`` every 50 checkpoints.
+    ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
+    the pipeline is bounded by ``checkpoint.timeout_s`` from here on, and a watchdog
+    ends this process when a peer freezes (see :mod:`baft.engine.watchdog`).
     """
     check_optimizer(optimizer)
     mesh = _mesh_from(device_mesh, ranks_per_node)
@@ -150,4 +160,5 @@ def protect(
         num_dp=mesh.topology.num_dp,
         num_tp=mesh.topology.num_tp,
     )
-    return Protected(runner, cfg, mesh)
+    watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
+    return Protected(runner, cfg, mesh, watchdog)

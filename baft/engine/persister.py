@@ -32,6 +32,7 @@ import shutil
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
 COMPLETE_MARKER = ".complete"
@@ -272,7 +274,7 @@ class Persister:
     dedicated gloo group: the writer thread runs collectives on it while training
     uses its own groups. With no group and no initialized default group, saves run
     in this process alone. ``timeout_s`` is the default limit of
-    :meth:`SaveHandle.wait`; the group's own timeout bounds its collectives.
+    :meth:`SaveHandle.wait` and of the given group's collectives.
     """
 
     def __init__(
@@ -303,6 +305,10 @@ class Persister:
         self.rank = rank
         self.timeout_s = timeout_s
         self._group = process_group
+        if process_group is not None and self._distributed:
+            # A group made without a timeout waits torch's default (30 min on gloo) in
+            # its collectives; a frozen peer must fail a save within ``timeout_s``.
+            _set_pg_timeout(timedelta(seconds=timeout_s), process_group)
         self._jobs: queue.Queue[_Job | object] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._last_version: int | None = None

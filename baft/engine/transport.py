@@ -3,7 +3,10 @@
 Checkpoint traffic runs on its own gloo process group, created once at start-up, so it
 never queues behind (or deadlocks with) the pipeline's p2p and the DP all-reduce; the
 reference measurements show a separate gloo group runs alongside the pipeline's without
-trouble. Every call that can block takes a timeout (the group's).
+trouble. Every call that can block is bounded by the timeout: collectives by the group's,
+point-to-point handles by an explicit ``Work.wait(timeout)`` (gloo does not apply the
+group's timeout to the wait of a send or receive, which would otherwise block forever on
+a frozen peer).
 """
 
 from __future__ import annotations
@@ -34,23 +37,46 @@ class Transport(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
 
+class TimedWork:
+    """A send/receive handle whose ``wait()`` gives up after ``timeout_s`` seconds."""
+
+    __slots__ = ("work", "timeout_s", "what")
+
+    def __init__(self, work: Any, timeout_s: float, what: str) -> None:
+        self.work = work
+        self.timeout_s = timeout_s
+        self.what = what
+
+    def wait(self) -> Any:
+        try:
+            return self.work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            raise TimeoutError(
+                f"checkpoint {self.what} got no answer in {self.timeout_s:g} s: "
+                f"the peer stopped responding ({e})"
+            ) from e
+
+
 class GlooTransport:
     """Transport over a dedicated gloo group spanning every rank."""
 
     def __init__(self, timeout_s: float) -> None:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
         work = dist.isend(tensor, dst, group=self.group, tag=tag)
         assert work is not None
-        return work
+        return TimedWork(work, self.timeout_s, f"send to rank {dst}")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
         work = dist.irecv(tensor, src, group=self.group, tag=tag)
         assert work is not None
-        return work
+        return TimedWork(work, self.timeout_s, f"receive from rank {src}")
 
     def all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -4,7 +4,8 @@ The engine calls :meth:`FaultInjector.fire` at each point of an iteration (``POI
 sleeps :meth:`FaultInjector.slot_delay` seconds at every pipeline slot. A fault that fires
 is first appended to ``{run_dir}/faults.jsonl`` (one ``os.write`` on an ``O_APPEND`` fd,
 then fsync, so concurrent ranks never interleave), announced on stderr, then carried out:
-SIGKILL, deleting store directories, flipping a byte of a committed slot, hanging.
+SIGKILL, deleting store directories, flipping a byte of a committed slot, hanging,
+freezing (SIGSTOP: the whole process, its heartbeat thread too).
 
 Each fault fires once per job: :meth:`FaultInjector.load` reads the faults that fired in
 earlier attempts (before torchrun restarted the worker group), and those never fire again.
@@ -36,6 +37,10 @@ RECORDS_FILE = "faults.jsonl"
 
 def _sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sigstop_self() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def records_path(run_dir: Path) -> Path:
@@ -84,6 +89,7 @@ class FaultInjector:
         job_id: str,
         clock: Callable[[], float] = time.time,
         kill_self: Callable[[], None] = _sigkill_self,
+        stop_self: Callable[[], None] = _sigstop_self,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         unique: dict[str, FaultSpec] = {}
@@ -98,6 +104,7 @@ class FaultInjector:
         self.job_id = job_id
         self.clock = clock
         self.kill_self = kill_self
+        self.stop_self = stop_self
         self.sleep = sleep
         mine = [s for s in unique.values() if s.targets(rank, topology)]
         # Faults that keep the process alive act before those that end it.
@@ -190,6 +197,8 @@ class FaultInjector:
         elif spec.kind == "hang":
             while True:
                 self.sleep(3600.0)
+        elif spec.kind == "freeze":  # what a hung host looks like: no thread runs on
+            self.stop_self()
         else:  # pragma: no cover - slow faults act through slot_delay
             raise AssertionError(f"cannot fire {spec.kind} at a point")
 

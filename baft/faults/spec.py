@@ -18,7 +18,7 @@ from typing import Any
 
 from baft.topology import Topology
 
-KINDS = ("kill", "node", "corrupt", "delete", "power", "hang", "slow")
+KINDS = ("kill", "node", "corrupt", "delete", "power", "hang", "freeze", "slow")
 """Fault kinds, in the order the grammar lists them."""
 POINTS = ("iteration", "snapshot", "transfer", "persist", "step", "recovery")
 """Places in a rank's iteration where ``FaultInjector.fire`` is called."""
@@ -39,6 +39,7 @@ iteration|snapshot|transfer|persist|step|recovery (default step):
   delete:rank=R,iter=I[,at=POINT]        delete rank R's store directory, keep training
   power:iter=I[,at=POINT]                delete every store of the job and SIGKILL every rank
   hang:rank=R,iter=I[,at=POINT]          rank R sleeps forever
+  freeze:rank=R,iter=I[,at=POINT]        rank R stops itself with SIGSTOP (all its threads)
   slow:rank=R,iter=I,s=SECONDS[,iters=K] rank R sleeps SECONDS at each slot for K iterations
 a fault fires once per job, the first time its rank reaches POINT in an iteration >= I
 (for at=recovery: the first restore that resumes at iteration I or later)"""
@@ -50,6 +51,7 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "delete": ("rank", "iter", "at"),
     "power": ("iter", "at"),
     "hang": ("rank", "iter", "at"),
+    "freeze": ("rank", "iter", "at"),
     "slow": ("rank", "iter", "s", "iters"),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -59,10 +61,11 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "delete": ("rank", "iter"),
     "power": ("iter",),
     "hang": ("rank", "iter"),
+    "freeze": ("rank", "iter"),
     "slow": ("rank", "iter", "s"),
 }
 _MAIN = {"node": "node", "power": None}
-_TERMINAL = ("hang", "kill", "node", "power")
+_TERMINAL = ("hang", "freeze", "kill", "node", "power")
 _TARGET_ALIASES = {"data": "data", "redundancy": "redundancy", "red": "redundancy"}
 
 

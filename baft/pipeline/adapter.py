@@ -17,7 +17,9 @@ arithmetic is untouched, so hooks on and off give bit-identical results.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -86,6 +88,10 @@ class ProtectedSchedule:
         """Called when the wait of a slot returned (the rank computes again)."""
         self.instrument = instrument
         """False runs the bare torch schedule: no slots, no timeline (the baseline)."""
+        self.wait_timeout_s: float | None = None
+        """Bound of every pipeline send/receive wait (None: wait forever). gloo applies a
+        group's timeout to collectives but not to ``Work.wait()`` of a p2p op, so a rank
+        whose peer froze mid-iteration would block here forever without it."""
         self._timeline: IterationTimeline | None = None
         self._num_waits = 0
         if instrument:
@@ -146,9 +152,24 @@ class ProtectedSchedule:
         slot_id = f"w{self._num_waits}"
         self._num_waits += 1
 
+        timeout = self.wait_timeout_s
+
         def wait_all() -> None:
-            for w in work:
-                w.wait()
+            if timeout is None:
+                for w in work:
+                    w.wait()
+                return
+            deadline = time.monotonic() + timeout  # the batch as a whole, not each op
+            try:
+                for w in work:
+                    w.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower():
+                    raise
+                raise TimeoutError(
+                    f"pipeline wait {slot_id} (p2p) found no peer for {timeout:g} s: "
+                    f"a pipeline neighbour stopped responding ({e})"
+                ) from e
 
         self.slot(self._timeline, slot_id, "p2p", wait_all)
 

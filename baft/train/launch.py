@@ -61,6 +61,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         "summary.json",
         "recoveries.jsonl",
         "faults.jsonl",
+        "hangs.jsonl",
         "plan_input.json",
     ):
         (out / name).unlink(missing_ok=True)

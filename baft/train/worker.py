@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from baft.config import TrainConfig
+from baft.engine.watchdog import start_watchdog
 from baft.train.mesh import init_mesh
 from baft.train.progress import Progress
 from baft.train.trainer import StepResult, Trainer, combine_digests
@@ -71,9 +72,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg`` on this process's rank; returns the summary (on every rank)."""
     torch.set_num_threads(1)
     t_launch = time.time()
-    mesh = init_mesh(cfg.parallel, timeout_s=cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0)
+    timeout_s = cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0
+    mesh = init_mesh(cfg.parallel, timeout_s=timeout_s)
     t_rdzv = time.time()
     trainer = Trainer(cfg, mesh)
+    watchdog = start_watchdog(mesh, trainer, timeout_s, cfg.out_dir)
     out = Path(cfg.out_dir)
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     is_main = mesh.rank == 0
@@ -82,7 +85,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.checkpoint is not None:
         from baft.recover.runtime import recover_and_start
 
-        engine, resume = recover_and_start(cfg, mesh, trainer, t_launch=t_launch, t_rdzv=t_rdzv)
+        with watchdog.section("restore"):
+            engine, resume = recover_and_start(cfg, mesh, trainer, t_launch=t_launch, t_rdzv=t_rdzv)
     losses = _truncate_metrics(out / "metrics.jsonl", resume) if is_main else []
     timeline_file = open(out / "timeline" / f"rank{mesh.rank}.jsonl", "a")  # noqa: SIM115
     metrics_file = open(out / "metrics.jsonl", "a") if is_main else None  # noqa: SIM115
@@ -90,10 +94,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.time()
     try:
         for it in range(resume, cfg.num_iterations):
-            res = trainer.train_step(it)
+            with watchdog.section(f"iteration {it}"):
+                res = trainer.train_step(it)
+                m = _gather_metrics(trainer, res)
             timeline_file.write(json.dumps(res.timeline.to_json()) + "\n")
             timeline_file.flush()
-            m = _gather_metrics(trainer, res)
             m.update(_ckpt_metrics(engine))
             losses.append(m["loss"])
             if metrics_file is not None:
@@ -103,9 +108,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 engine.recovery.first_iteration_done(is_main)
             progress.update(it + 1, m["loss"], m["iter_s"])
         if engine is not None:
-            engine.close()
+            with watchdog.section("close"):
+                engine.close()
         rank_digests = trainer.rank_digests()
         digest = combine_digests(rank_digests)
+        watchdog.stop()  # a finished rank is no hang (not on errors: no delay there)
     finally:
         progress.close()
         timeline_file.close()

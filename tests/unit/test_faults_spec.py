@@ -168,7 +168,7 @@ def test_matches_point_and_first_iteration_at_or_after():
 
 def test_terminal_kinds():
     terminal = {k for k in KINDS if FaultSpec(kind=k, iteration=0, rank=0, node=0).terminal}
-    assert terminal == {"kill", "node", "power", "hang"}
+    assert terminal == {"kill", "node", "power", "hang", "freeze"}
 
 
 def test_check_against_topology():

@@ -1,0 +1,530 @@
+"""Hangs become failures: every wait bounded by the timeout, and a watchdog per rank.
+
+A crashed rank ends its process and torchrun restarts the group; a *frozen* one (a hung
+kernel, a stuck collective, a swapped-out host, ``kill -STOP``) ends nothing, and its
+peers wait for it. Two mechanisms turn a hang into a crash that recovery already handles:
+
+1. **Bounded waits** (:func:`bound_waits`). Every process group baft waits on gets the
+   job's timeout ``T`` (``CheckpointConfig.timeout_s``, ``--timeout``), so collectives
+   (DP/TP all-reduces, the checkpoint commit vote, restore broadcasts) raise after ``T``;
+   pipeline and checkpoint send/receive waits pass ``T`` to ``Work.wait`` explicitly,
+   because gloo does not apply a group's timeout to the wait of a point-to-point op.
+2. **The watchdog** (:class:`Watchdog`): two daemon threads per rank. The *beat* thread
+   publishes a heartbeat (sequence number, current section, pid, host) every ``T/10``
+   seconds (at most 1 s) through the job's c10d TCPStore on a connection of its own,
+   independent of the training process groups, and reads its watched peers' beats. The
+   *monitor* thread does no I/O: it decides (:func:`decide`, pure) from what the beat
+   thread saw. A peer whose heartbeat has not changed for ``T`` seconds, an unresponsive
+   store for ``T`` seconds, or this rank's own section running longer than its limit,
+   makes the rank log which rank and section, dump the Python stacks of its threads
+   (``faulthandler``), append a record to ``RUN_DIR/hangs.jsonl``, SIGKILL a frozen peer
+   on the same host (torchrun would wait 30 s for a stopped process to honour SIGTERM)
+   and leave with :data:`WATCHDOG_EXIT_CODE`; torchrun then restarts the group and the
+   restore proceeds as for a crash.
+
+Timeout hierarchy (why the numbers relate as they do):
+
+- heartbeat period ``h = min(1 s, T/10)``: a frozen peer is seen within ``T + h``.
+- every single wait: ``T``. The wait's own error names the wait (``pipeline wait w3``);
+  when it fires, the watchdog's error hook (:meth:`Watchdog.section`) still looks for
+  peers silent for more than ``3h`` and kills a frozen one on this host.
+- peer silence and store silence: ``T``. A slow rank (a straggler) keeps beating, because
+  the beat runs on its own thread, so only a process that stopped running is declared.
+- own section: ``2T`` per iteration (beyond any single wait, so a rank blocked on a peer
+  is failed by the wait first and names it; the section limit catches hangs outside any
+  timed wait: a stuck kernel, a Python deadlock), ``10T`` for restore and close (many
+  bounded waits plus local reads and DCP I/O), matching the persister's ``10T``.
+
+A straggler is therefore killed only if one of its iterations takes longer than ``T``
+(its peers' waits give up) or ``2T`` (its own section): pick ``T`` well above the slowest
+legitimate iteration (the default 60 s fits iterations up to about 10 s that slow down 5x).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+HANGS_FILE = "hangs.jsonl"
+"""Under the run directory: one record per hang a watchdog detected (read by restore)."""
+WATCHDOG_EXIT_CODE = 86
+"""Exit status of a rank its watchdog ended (shown by torchrun's failure summary)."""
+SECTION_FACTORS = {"iteration": 2.0, "restore": 10.0, "close": 10.0}
+"""Own-section limit as a multiple of the timeout, by section kind (the name's first word)."""
+MAX_WATCH_ALL = 64
+"""Up to this world size every rank watches every peer; above, its 4 ring neighbours."""
+
+_log = logging.getLogger("baft")
+
+
+def beat_period(timeout_s: float) -> float:
+    """Seconds between heartbeats for a job timeout of ``timeout_s``."""
+    return min(1.0, timeout_s / 10.0)
+
+
+def watched_peers(rank: int, world_size: int) -> list[int]:
+    """The peers ``rank`` watches: all of them in small jobs, else ring neighbours
+    (consecutive ranks usually share a host, so a watcher can kill a frozen neighbour)."""
+    if world_size <= MAX_WATCH_ALL:
+        return [r for r in range(world_size) if r != rank]
+    near = {(rank + d) % world_size for d in (-2, -1, 1, 2)}
+    return sorted(near - {rank})
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """What the beat thread last saw of one watched peer (monotonic local clock)."""
+
+    rank: int
+    last_change: float
+    """When its heartbeat last changed (or watching started, if never seen)."""
+    section: str = ""
+    """Its section at its last heartbeat."""
+    done: bool = False
+    """It left training cleanly (never a hang)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A hang: who is suspected and why."""
+
+    kind: str
+    """``peer`` (a peer stopped beating), ``store`` (the store stopped answering) or
+    ``self`` (this rank's own section ran past its limit)."""
+    rank: int | None
+    """The suspect rank (None when unknown)."""
+    section: str
+    """The suspect's last known section."""
+    silent_s: float
+    """How long the suspect has been silent (or this section has run)."""
+
+
+def decide(
+    now: float,
+    peers: Sequence[PeerView],
+    *,
+    store_ok_at: float,
+    store_rank: int | None,
+    section: str | None,
+    section_since: float,
+    section_limit_s: float,
+    timeout_s: float,
+) -> tuple[Verdict | None, str]:
+    """Is something hung? Pure: every time is a monotonic second passed in.
+
+    The store comes first: when it stops answering, every peer looks silent too, and
+    the suspect is the rank hosting it (``store_rank``), not the first peer in the list.
+    """
+    store_silent = now - store_ok_at
+    if store_silent > timeout_s:
+        who = f"rank {store_rank}" if store_rank is not None else "its host"
+        return Verdict("store", store_rank, "", store_silent), (
+            f"the rendezvous store (hosted by {who}) has not answered for "
+            f"{store_silent:.1f} s (timeout {timeout_s:g} s)"
+        )
+    live = [p for p in peers if not p.done]
+    if live:
+        worst = min(live, key=lambda p: p.last_change)
+        silent = now - worst.last_change
+        if silent > timeout_s:
+            where = f" in section '{worst.section}'" if worst.section else ""
+            return Verdict("peer", worst.rank, worst.section, silent), (
+                f"rank {worst.rank} has not sent a heartbeat for {silent:.1f} s{where} "
+                f"(timeout {timeout_s:g} s): it is frozen or gone"
+            )
+    if section is not None:
+        ran = now - section_since
+        if ran > section_limit_s:
+            return Verdict("self", None, section, ran), (
+                f"this rank has been in section '{section}' for {ran:.1f} s "
+                f"(limit {section_limit_s:g} s = {section_limit_s / timeout_s:g} x timeout)"
+            )
+    return None, "ok"
+
+
+def section_limit(name: str, timeout_s: float) -> float:
+    """Seconds a section called ``name`` may run (see :data:`SECTION_FACTORS`)."""
+    return SECTION_FACTORS.get(name.split(" ", 1)[0], 2.0) * timeout_s
+
+
+# ---------------------------------------------------------------------- bounded waits
+def bound_waits(mesh: Any, runner: Any, timeout_s: float) -> None:
+    """Bound every wait of training by ``timeout_s``: the default group's and the mesh
+    groups' collectives, and the pipeline's point-to-point waits.
+
+    Groups made by ``init_device_mesh`` or ``new_group`` without a timeout get torch's
+    default (30 min on gloo), not the default group's; ``_set_pg_timeout`` is the one
+    c10d call that changes a live group's timeout (gloo and NCCL backends).
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    limit = timedelta(seconds=timeout_s)
+    groups: list[Any] = [None]  # None = the default group
+    for name in mesh.mesh.mesh_dim_names or ():
+        groups.append(mesh.mesh.get_group(name))
+    groups += [getattr(s, "group", None) for s in getattr(runner, "stages", ())]
+    seen: set[int] = set()
+    for g in groups:
+        key = id(g)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            _set_pg_timeout(limit, g)
+        except (ValueError, RuntimeError, AssertionError) as e:
+            _log.warning("baft: cannot set the timeout of process group %s: %s", g, e)
+    runner.protected.wait_timeout_s = timeout_s
+
+
+# ---------------------------------------------------------------------- process helpers
+def _start_time(pid: int) -> str | None:
+    """Start time of ``pid`` (clock ticks since boot), to tell a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _proc_state(pid: int) -> str:
+    """One-letter state of ``pid`` from ``/proc`` (``T`` = stopped), '' if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _kill_if_stopped(pid: int, start: str) -> bool:
+    """SIGKILL ``pid`` if it is still the process that started at ``start`` and it is
+    stopped. A stopped process leaves a pending SIGTERM pending, so torchrun would wait
+    its 30 s grace for it; a running one (even a hung one) dies of torchrun's SIGTERM."""
+    if not start or _start_time(pid) != start or _proc_state(pid) not in ("T", "t"):
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True
+
+
+def append_hang(run_dir: Path, record: dict[str, Any]) -> None:
+    """Append one record to ``hangs.jsonl`` in one write on an O_APPEND fd."""
+    path = Path(run_dir) / HANGS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_hangs(run_dir: Path, attempt: int | None = None) -> list[dict[str, Any]]:
+    """Hang records of the job (of one torchrun attempt if given), oldest detection first."""
+    try:
+        lines = (Path(run_dir) / HANGS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if attempt is None or rec.get("attempt") == attempt:
+            out.append(rec)
+    return sorted(out, key=lambda r: r["detected_at"])
+
+
+# ---------------------------------------------------------------------- the watchdog
+class Watchdog:
+    """Heartbeat and hang detection of one rank; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        run_dir: Path,
+        host: str,
+        port: int,
+        store_rank: int | None = 0,
+        attempt: int = 0,
+        exit_process: bool = True,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.beat_s = beat_period(timeout_s)
+        self.run_dir = Path(run_dir)
+        self.store_addr = (host, port)
+        self.store_rank = store_rank
+        self.attempt = attempt
+        self.exit_process = exit_process
+        self.peers = watched_peers(rank, world_size)
+        self.hostname = socket.gethostname()
+        self.verdict: tuple[Verdict, str] | None = None
+        """Set when the watchdog fired (tests run with ``exit_process=False``)."""
+        self._lock = threading.Lock()
+        self._section: str | None = None
+        self._section_since = 0.0
+        self._seq = 0
+        self._done = False
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._store_ok_at = self._started
+        self._seen: dict[int, tuple[bytes, float, dict[str, Any]]] = {}
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def from_env(
+        cls, *, rank: int, world_size: int, timeout_s: float, run_dir: str
+    ) -> Watchdog | None:
+        """A watchdog on torchrun's store (``MASTER_ADDR``/``MASTER_PORT``); None (with a
+        warning) when the job was not started that way, or ``BAFT_WATCHDOG=0``."""
+        if os.environ.get("BAFT_WATCHDOG", "1") == "0" or world_size < 2:
+            return None
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            _log.warning("baft: no MASTER_ADDR/MASTER_PORT: the hang watchdog is off")
+            return None
+        # With torchrun's shared rendezvous store the agent hosts it; else rank 0 does.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            run_dir=Path(run_dir),
+            host=host,
+            port=int(port),
+            store_rank=None if agent_store else 0,
+            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
+
+    # ------------------------------------------------------------------ main thread
+    def start(self) -> Watchdog:
+        for target, name in ((self._beat_loop, "beat"), (self._monitor_loop, "monitor")):
+            t = threading.Thread(target=target, name=f"baft-watchdog-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Run a section of the main thread under its limit. An exception leaving it (a
+        wait that timed out) first looks for frozen peers: recorded and, on this host,
+        killed, so that torchrun's restart does not wait for them."""
+        with self._lock:
+            self._section, self._section_since = name, time.monotonic()
+        try:
+            yield
+        except BaseException as e:
+            self.after_error(e)
+            raise
+        finally:
+            with self._lock:
+                self._section = None
+
+    def after_error(self, error: BaseException) -> None:
+        """An exception is ending this rank: deal with peers that look frozen."""
+        now = time.monotonic()
+        quiet = 3 * self.beat_s
+        with self._lock:
+            store_silent = now - self._store_ok_at
+        if store_silent > quiet:  # every peer looks silent: blame the store's host only
+            verdict = Verdict("store", self.store_rank, "", store_silent)
+            kill = [self.store_rank] if self.store_rank not in (None, self.rank) else []
+        else:
+            stale = [p for p in self._views(now) if not p.done and now - p.last_change > quiet]
+            if not stale:
+                return
+            worst = min(stale, key=lambda p: p.last_change)
+            verdict = Verdict("peer", worst.rank, worst.section, now - worst.last_change)
+            kill = [p.rank for p in stale]
+        who = f"rank {verdict.rank}" if verdict.rank is not None else "the store"
+        reason = (
+            f"{type(error).__name__} while {who} has been silent for "
+            f"{verdict.silent_s:.1f} s: {error}"
+        )
+        self._report(verdict, reason, kill=[r for r in kill if r is not None])
+
+    def stop(self) -> None:
+        """Training ended here: tell peers (a finished rank is no hang) and stop."""
+        with self._lock:
+            self._done = True
+            self._section = None
+        deadline = time.monotonic() + 3 * self.beat_s
+        seq = self._seq
+        while self._seq == seq and time.monotonic() < deadline and self._threads:
+            time.sleep(self.beat_s / 10)  # one more beat carries done=True
+        self._stop.set()
+
+    # ------------------------------------------------------------------ threads
+    def _connect(self) -> Any:
+        store = dist.TCPStore(
+            self.store_addr[0],
+            self.store_addr[1],
+            is_master=False,
+            timeout=timedelta(seconds=max(self.beat_s * 2, 1.0)),
+            wait_for_workers=False,
+        )
+        return dist.PrefixStore(f"baft-watchdog/{self.attempt}", store)
+
+    def _beat_loop(self) -> None:
+        store: Any = None
+        me = {"pid": os.getpid(), "host": self.hostname, "start": _start_time(os.getpid())}
+        unseen = set(self.peers)
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = self._connect()
+                with self._lock:
+                    beat = dict(me, seq=self._seq, section=self._section or "", done=self._done)
+                store.set(f"hb/{self.rank}", json.dumps(beat))
+                for p in sorted(unseen):
+                    if store.check([f"hb/{p}"]):
+                        unseen.discard(p)
+                known = [p for p in self.peers if p not in unseen]
+                values = store.multi_get([f"hb/{p}" for p in known]) if known else []
+                now = time.monotonic()
+                with self._lock:
+                    for p, raw in zip(known, values, strict=True):
+                        prev = self._seen.get(p)
+                        if prev is None or prev[0] != raw:
+                            self._seen[p] = (raw, now, json.loads(raw))
+                    self._store_ok_at = now
+                    self._seq += 1
+            except Exception as e:  # noqa: BLE001 - the store is down or slow: keep trying
+                _log.debug("baft watchdog: store round failed: %s", e)
+                store = None
+            self._stop.wait(self.beat_s)
+
+    def _views(self, now: float) -> list[PeerView]:
+        with self._lock:
+            out = []
+            for p in self.peers:
+                seen = self._seen.get(p)
+                if seen is None:
+                    out.append(PeerView(p, self._started))
+                else:
+                    info = seen[2]
+                    out.append(
+                        PeerView(p, seen[1], info.get("section", ""), bool(info.get("done")))
+                    )
+            return out
+
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(self.beat_s / 2):
+            now = time.monotonic()
+            with self._lock:
+                section, since, done = self._section, self._section_since, self._done
+                store_ok_at = self._store_ok_at
+            if done:
+                return
+            verdict, reason = decide(
+                now,
+                self._views(now),
+                store_ok_at=store_ok_at,
+                store_rank=self.store_rank if self.store_rank != self.rank else None,
+                section=section,
+                section_since=since,
+                section_limit_s=section_limit(section or "", self.timeout_s),
+                timeout_s=self.timeout_s,
+            )
+            if verdict is not None:
+                self._report(
+                    verdict, reason, kill=[verdict.rank] if verdict.rank is not None else []
+                )
+                self._leave()
+                return
+
+    # ------------------------------------------------------------------ acting
+    def _report(self, verdict: Verdict, reason: str, *, kill: list[int]) -> None:
+        """Log, dump this rank's stacks, record, and SIGKILL frozen peers on this host."""
+        self.verdict = (verdict, reason)
+        now_wall, now = time.time(), time.monotonic()
+        _log.error(
+            "baft watchdog (rank %d, attempt %d): %s; this rank leaves so that torchrun "
+            "restarts the group (stacks of this rank's threads follow)",
+            self.rank,
+            self.attempt,
+            reason,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        killed = []
+        with self._lock:
+            seen = dict(self._seen)
+        for r in kill:
+            info = seen.get(r, (b"", 0.0, {}))[2]
+            if info.get("host") == self.hostname and info.get("pid"):
+                if _kill_if_stopped(int(info["pid"]), str(info.get("start") or "")):
+                    killed.append(r)
+        if killed:
+            _log.error(
+                "baft watchdog (rank %d): killed frozen rank(s) %s on this host", self.rank, killed
+            )
+        last_seen = now_wall - verdict.silent_s
+        append_hang(
+            self.run_dir,
+            {
+                "attempt": self.attempt,
+                "detected_by": self.rank,
+                "detected_at": now_wall,
+                "last_seen_at": last_seen,
+                "kind": verdict.kind,
+                "suspect": verdict.rank,
+                "section": verdict.section,
+                "silent_s": round(verdict.silent_s, 3),
+                "killed": killed,
+                "reason": reason,
+                "monotonic": now,
+            },
+        )
+
+    def _leave(self) -> None:
+        if not self.exit_process:
+            return
+        for h in logging.getLogger().handlers + _log.handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        sys.stderr.flush()
+        os._exit(WATCHDOG_EXIT_CODE)
+
+
+class NoWatchdog:
+    """Stand-in when the watchdog is off: sections are plain blocks."""
+
+    verdict = None
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        yield
+
+    def stop(self) -> None:
+        pass
+
+
+def start_watchdog(mesh: Any, runner: Any, timeout_s: float, run_dir: str) -> Watchdog | NoWatchdog:
+    """Both front doors (``baft train`` workers, ``baft.protect``): bound every wait by
+    ``timeout_s`` and start this rank's watchdog (off with ``BAFT_WATCHDOG=0``)."""
+    bound_waits(mesh, runner, timeout_s)
+    wd = Watchdog.from_env(
+        rank=mesh.rank, world_size=dist.get_world_size(), timeout_s=timeout_s, run_dir=run_dir
+    )
+    return wd.start() if wd is not None else NoWatchdog()

@@ -1,0 +1,179 @@
+"""The watchdog's decision (pure), its limits, its records, and two live watchdogs on a
+real TCPStore (threads in this process) telling a frozen peer from a straggler."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from baft.engine import watchdog as wdm
+from baft.engine.watchdog import PeerView, Verdict, Watchdog, decide
+
+T = 10.0
+
+
+def _decide(now: float, peers: list[PeerView], **kw: object) -> tuple[Verdict | None, str]:
+    args: dict[str, object] = dict(
+        store_ok_at=now,
+        store_rank=0,
+        section=None,
+        section_since=0.0,
+        section_limit_s=2 * T,
+        timeout_s=T,
+    )
+    args.update(kw)
+    return decide(now, peers, **args)  # type: ignore[arg-type]
+
+
+def test_silent_peer_is_a_hang_after_the_timeout() -> None:
+    peers = [PeerView(1, 100.0, "iteration 7"), PeerView(2, 95.0, "iteration 7")]
+    assert _decide(105.0, peers) == (None, "ok")  # rank 2 silent 10.0 s: not yet
+    verdict, reason = _decide(105.5, peers)
+    assert verdict == Verdict("peer", 2, "iteration 7", 10.5)
+    assert reason == (
+        "rank 2 has not sent a heartbeat for 10.5 s in section 'iteration 7' "
+        "(timeout 10 s): it is frozen or gone"
+    )
+
+
+def test_finished_peer_is_never_a_hang() -> None:
+    peers = [PeerView(1, 0.0, "", done=True)]
+    assert _decide(1000.0, peers) == (None, "ok")
+
+
+def test_straggler_keeps_beating_and_is_not_a_hang() -> None:
+    # A slow rank: its heartbeat changed 0.9 s ago, its section ran 5x an iteration.
+    peers = [PeerView(1, 99.1, "iteration 12")]
+    assert _decide(100.0, peers, section="iteration 12", section_since=95.0) == (None, "ok")
+
+
+def test_store_silence_blames_the_store_host_not_the_first_peer() -> None:
+    peers = [PeerView(1, 80.0), PeerView(2, 80.0)]  # everyone looks silent: store is down
+    verdict, reason = _decide(100.0, peers, store_ok_at=80.0)
+    assert verdict == Verdict("store", 0, "", 20.0)
+    assert reason.startswith("the rendezvous store (hosted by rank 0) has not answered for 20.0 s")
+
+
+def test_own_section_past_its_limit() -> None:
+    verdict, reason = _decide(200.0, [], section="iteration 3", section_since=179.0)
+    assert verdict == Verdict("self", None, "iteration 3", 21.0)
+    assert reason == (
+        "this rank has been in section 'iteration 3' for 21.0 s (limit 20 s = 2 x timeout)"
+    )
+
+
+def test_limits_and_hierarchy() -> None:
+    assert wdm.beat_period(60.0) == 1.0 and wdm.beat_period(8.0) == 0.8
+    assert wdm.section_limit("iteration 5", 8.0) == 16.0
+    assert wdm.section_limit("restore", 8.0) == 80.0
+    assert wdm.section_limit("close", 8.0) == 80.0
+    assert wdm.watched_peers(1, 4) == [0, 2, 3]
+    assert wdm.watched_peers(0, 100) == [1, 2, 98, 99]
+
+
+def test_hang_records_roundtrip(tmp_path: Path) -> None:
+    wdm.append_hang(tmp_path, {"attempt": 1, "detected_at": 5.0, "suspect": 3})
+    wdm.append_hang(tmp_path, {"attempt": 0, "detected_at": 2.0, "suspect": 1})
+    wdm.append_hang(tmp_path, {"attempt": 0, "detected_at": 1.0, "suspect": 2})
+    assert [r["suspect"] for r in wdm.read_hangs(tmp_path)] == [2, 1, 3]
+    assert [r["suspect"] for r in wdm.read_hangs(tmp_path, attempt=0)] == [2, 1]
+    assert wdm.read_hangs(tmp_path / "none") == []
+
+
+def test_only_a_stopped_process_with_the_same_start_time_is_killed() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = wdm._start_time(proc.pid)
+        assert start is not None
+        assert not wdm._kill_if_stopped(proc.pid, start)  # running: torchrun's SIGTERM works
+        os.kill(proc.pid, signal.SIGSTOP)
+        while wdm._proc_state(proc.pid) != "T":
+            time.sleep(0.01)
+        assert not wdm._kill_if_stopped(proc.pid, str(int(start) + 1))  # another process
+        assert wdm._kill_if_stopped(proc.pid, start)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+def test_live_watchdogs_catch_a_frozen_peer(tmp_path: Path) -> None:
+    """Two watchdogs on one TCPStore. Rank 1 slows its section down (still beating), then
+    its threads stop (as under SIGSTOP): rank 0 names rank 1 and records it."""
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dogs = [
+        Watchdog(
+            rank=r,
+            world_size=2,
+            timeout_s=1.0,
+            run_dir=tmp_path,
+            host="127.0.0.1",
+            port=port,
+            exit_process=False,
+        ).start()
+        for r in (0, 1)
+    ]
+    try:
+        with dogs[1].section("iteration 4"):
+            time.sleep(1.5)  # longer than the timeout, below the 2x section limit
+        assert dogs[0].verdict is None and dogs[1].verdict is None
+        with dogs[1].section("iteration 5"):
+            time.sleep(0.3)
+            dogs[1]._stop.set()  # frozen: no more heartbeats
+            deadline = time.monotonic() + 20
+            while dogs[0].verdict is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert dogs[0].verdict is not None
+        verdict, reason = dogs[0].verdict
+        assert (verdict.kind, verdict.rank, verdict.section) == ("peer", 1, "iteration 5")
+        assert reason.startswith("rank 1 has not sent a heartbeat for ")
+        (rec,) = wdm.read_hangs(tmp_path)
+        assert rec["suspect"] == 1 and rec["detected_by"] == 0 and rec["killed"] == []
+        assert rec["detected_at"] - rec["last_seen_at"] == pytest.approx(rec["silent_s"], abs=0.01)
+    finally:
+        for d in dogs:
+            d._stop.set()
+        del master
+
+
+def test_error_in_a_section_kills_nobody_when_peers_beat(tmp_path: Path) -> None:
+    dog = Watchdog(
+        rank=0,
+        world_size=2,
+        timeout_s=5.0,
+        run_dir=tmp_path,
+        host="127.0.0.1",
+        port=1,
+        exit_process=False,
+    )
+    now = time.monotonic()
+    dog._seen[1] = (b"x", now, {"section": "iteration 2"})
+    dog._store_ok_at = now
+    with pytest.raises(TimeoutError, match="peer gone"), dog.section("iteration 2"):
+        raise TimeoutError("peer gone")
+    assert dog.verdict is None and wdm.read_hangs(tmp_path) == []
+    dog._seen[1] = (b"x", now - 10, {"section": "iteration 2", "host": "elsewhere", "pid": 1})
+    with pytest.raises(TimeoutError), dog.section("iteration 3"):
+        raise TimeoutError("pipeline wait w2 (p2p) found no peer for 5 s")
+    assert dog.verdict is not None and dog.verdict[0].rank == 1
+    (rec,) = wdm.read_hangs(tmp_path)
+    assert rec["kind"] == "peer" and rec["killed"] == []  # on another host: not ours to kill
+    assert "TimeoutError while rank 1 has been silent for " in rec["reason"]
