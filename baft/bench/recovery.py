@@ -104,6 +104,7 @@ def run_recovery(a: argparse.Namespace) -> int:
             if r["restore_s"]
         },
     }
+    result["rows"] += _peer_rows(a)
     if a.json:
         print(json.dumps(result))
     else:
@@ -114,6 +115,19 @@ def run_recovery(a: argparse.Namespace) -> int:
         path.write_text(_markdown(result, a))
         print(f"wrote {path}")
     return 0
+
+
+def _peer_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """lm-resiliency's restore after the same rank crash, when the peers extra is
+    installed (see :mod:`baft.bench.peer_recovery`)."""
+    from baft.bench.peers import missing_peers
+
+    if missing_peers(["lm-resiliency"]):
+        return []
+    from baft.bench.peer_recovery import run_lm_recovery
+
+    out = Path(a.out) / "lm-resiliency"
+    return [run_lm_recovery(out, layers=a.layers, d_model=a.d_model, iterations=a.iterations, verbose=a.verbose)]  # fmt: skip
 
 
 def _state_bytes(run: Path) -> list[int]:
