@@ -1,5 +1,6 @@
 """The library face: examples/own_training.py (a user's own pipelining loop + baft.protect)
-crashes under torchrun, restores from memory and ends exactly where a clean run ends."""
+crashes under torchrun, restores from memory and ends exactly where the same loop ends
+without baft: losses and every rank's parameters, buffers and optimizer state."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_training.py"
 
 
-def _run(out: Path, inject: list[str]) -> dict:
+def _run(out: Path, *args: str) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -31,22 +32,27 @@ def _run(out: Path, inject: list[str]) -> dict:
         str(out),
         "--iterations",
         "12",
+        *args,
     ]
-    for spec in inject:
-        cmd += ["--inject", spec]
     proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "final.json").read_text())
+    final = json.loads((out / "final.json").read_text())
+    final["states"] = [json.loads((out / f"state.rank{r}.json").read_text()) for r in range(2)]
+    return final
 
 
 def test_example_recovers_bit_exactly(tmp_path: Path) -> None:
-    clean = _run(tmp_path / "clean", [])
-    crashed = _run(tmp_path / "crashed", ["kill:rank=0,iter=7"])
+    plain = _run(tmp_path / "plain", "--unprotected")
     try:
-        assert clean["start"] == 0
+        crashed = _run(tmp_path / "crashed", "--inject", "kill:rank=0,iter=7")
+        assert plain["start"] == 0
         assert crashed["start"] in (6, 7)  # the restored version
-        assert crashed["param_sum"] == clean["param_sum"]
-        before = json.loads((tmp_path / "clean" / "losses.attempt0.json").read_text())
+        # every rank's full state, tensor by tensor (weights, biases, exp_avg, exp_avg_sq,
+        # step, hyperparameters), equals the unprotected loop's
+        for rank in range(2):
+            assert crashed["states"][rank] == plain["states"][rank], rank
+            assert sum(k.startswith("optim.") for k in plain["states"][rank]) > 0
+        before = json.loads((tmp_path / "plain" / "losses.attempt0.json").read_text())
         after = json.loads(
             (tmp_path / "crashed" / f"losses.attempt{crashed['start']}.json").read_text()
         )
@@ -55,11 +61,12 @@ def test_example_recovers_bit_exactly(tmp_path: Path) -> None:
             json.loads(x)
             for x in (tmp_path / "crashed" / "recoveries.jsonl").read_text().splitlines()
         ]
-        assert rec["source"] == "memory" and rec["lost_iterations"] <= 1
+        assert rec["source"] == "memory" and rec["lost_iterations"] <= 1, rec
+        assert rec["restored_version"] == crashed["start"]
+        # a kill loses no store: both shards come back from their own rank's memory
+        assert rec["sources"] == {"0": "local", "1": "local"}, rec
     finally:
-        for run in ("clean", "crashed"):
-            cfg_job = Path("/dev/shm/baft")
-            shutil.rmtree(cfg_job / _job(tmp_path / run), ignore_errors=True)
+        shutil.rmtree(Path("/dev/shm/baft") / _job(tmp_path / "crashed"), ignore_errors=True)
 
 
 def _job(out: Path) -> str:
