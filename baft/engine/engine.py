@@ -64,6 +64,8 @@ from baft.train.mesh import Mesh
 from baft.train.trainer import StepRunner
 
 log = logging.getLogger("baft")
+SPILL = "__spill__"
+"""Pseudo-slot of the snapshot tasks that fit no bubble."""
 
 REPLAN_AFTER_CHECKPOINTS = 3
 COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
@@ -317,7 +319,7 @@ class CheckpointEngine:
             timeout_s=self.ck.timeout_s,
         )
         self._slot_tasks, self._all_tasks = {}, []
-        for slot_id, tasks in list(rp.tasks.items()) + [("__spill__", rp.spilled)]:
+        for slot_id, tasks in list(rp.tasks.items()) + [(SPILL, rp.spilled)]:
             for t in tasks:
                 if t.kind is TaskKind.SNAPSHOT:
                     entry = (t, self.flat.pieces(t.offset, t.offset + t.nbytes))
@@ -372,6 +374,13 @@ class CheckpointEngine:
             if v is not None:
                 v.snapshot_event = threading.Event()
                 self.worker.submit(lambda: self._run_all(v))
+        elif self.copier.asynchronous and self._slot_tasks.get(SPILL):
+            # Copies that fit no bubble: with an asynchronous copier they need not block
+            # the host before the step, so they start now and finish by the deadline.
+            cur = self._current(iteration)
+            if cur is not None:
+                for task, pieces in self._slot_tasks[SPILL]:
+                    self._snapshot(cur, task, pieces, timeline, "iteration_start", exposed=False)
 
     def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.injector is not None:
