@@ -412,7 +412,16 @@ def write_results(
     from baft.bench.overhead import PEER_MODES
 
     peers = any(m in PEER_MODES for m in result["modes"])  # own page, beside the plain one
-    stem = f"{'peers-' if peers else ''}overhead-{result['compute']}-{date}"
+    policy = str(result["config"].get("checkpoint", ""))
+    variant = next(  # a non-default redundancy gets its own page (default: xor:2)
+        (
+            "-" + part.split("=", 1)[1].replace(":", "").replace("+", "p")
+            for part in policy.split(",")
+            if part.startswith("redundancy=") and part != "redundancy=xor:2"
+        ),
+        "",
+    )
+    stem = f"{'peers-' if peers else ''}overhead-{result['compute']}{variant}-{date}"
     tag = " (EMULATED)" if result["compute"] == "emulated" else ""
     plot_iterations(raw, results_dir / f"{stem}.png", title=f"iteration time per mode{tag}")
     (results_dir / f"{stem}.raw.json").write_text(json.dumps(raw) + "\n")
