@@ -12,6 +12,7 @@ store, a peer's replica, or parity decoding).
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from baft.config import CheckpointConfig, TrainConfig
+from baft.engine.plan_input import PLAN_INPUT_FILE
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -33,11 +35,12 @@ def _config(
     *,
     redundancy: str = "xor:2",
     ranks_per_node: int = 0,
+    iterations: int = 12,
     **ck: Any,
 ) -> TrainConfig:
     cfg = tiny_config(
         out,
-        iterations=12,
+        iterations=iterations,
         batch=8,
         num_dp=2,
         num_pp=2,
@@ -45,15 +48,14 @@ def _config(
         ranks_per_node=ranks_per_node,
     )
     if store is not None:
+        options: dict[str, Any] = dict(persist_every=0, profile_iters=2, max_restarts=3)
+        options.update(ck)
         cfg.checkpoint = CheckpointConfig(
             redundancy=redundancy,
-            persist_every=0,
-            profile_iters=2,
             store_root=str(store),
             inject=inject,
             timeout_s=30.0,
-            max_restarts=3,
-            **ck,
+            **options,
         )
     return cfg
 
@@ -115,13 +117,13 @@ def test_corrupted_shard_then_kill_rebuilds_it_from_parity(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
     """Outside corruption: early in iteration 6 one byte of rank 0's committed v5 flips
-    (in its data file, as bit rot or a stray write would); rank 1 then dies before v6
-    commits. v5 must come back with rank 0's shard rebuilt from parity, not from disk."""
+    (in its data file, as bit rot or a stray write would); rank 1 then dies in the middle
+    of snapshotting v6 (so v6 can never be complete). v5 must come back with rank 0's shard rebuilt from parity, not from disk."""
     failed = run_job(
         _config(
             tmp_path / "corrupt",
             store,
-            ["corrupt:rank=0,iter=6,at=snapshot", "kill:rank=1,iter=6"],
+            ["corrupt:rank=0,iter=6,at=snapshot", "kill:rank=1,iter=6,at=snapshot"],
         )
     )
     assert_same_training(failed, reference, 12)
@@ -195,3 +197,69 @@ def test_rs_code_on_8_ranks_rebuilds_two_lost_nodes_at_once(tmp_path: Path, stor
     lost = {"2", "3", "4", "5"}  # ranks of nodes 1 and 2
     assert r["sources"] == {str(k): "parity" if str(k) in lost else "local" for k in range(8)}, r
     assert r["lost_iterations"] == 6 - r["restored_version"]
+
+
+def _crafted_plan_input(profiled: dict[str, Any], num_dp: int) -> dict[str, Any]:
+    """The profiled plan input with bubbles and cost chosen so that the re-plan moves
+    every shard boundary: one usable slot per rank, 3x larger on dp=1 than on dp=0, and
+    an assumed copy rate (1e11 B/s) far above any CPU's. At that rate both replicas' slots
+    hold their shares, split about 1:3 by capacity; at the measured rate (<= 1e10 B/s) the
+    snapshot overflows the slots and the split levels the exposure (about 1:1)."""
+    out = json.loads(json.dumps(profiled))
+    for r, rank in enumerate(out["ranks"]):
+        idle = 60e-6 if r % num_dp == 0 else 80e-6  # task overhead is 50 us
+        for i, slot in enumerate(rank["bubbles"]["slots"]):
+            slot["idle_s"] = idle if i == 0 else 0.0
+            slot["spread_s"] = 0.0
+    out["cost"] = {"copy_Bps": 1e11, "interference": 0.0}
+    out.pop("replanned", None)
+    return out
+
+
+def _owned(plan_input: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """Owned byte range per rank of the plan the engine makes from ``plan_input``."""
+    from baft.engine.plan_input import bmap_from_json, layout_from_json
+    from baft.plan.cost import CostModel
+    from baft.plan.planner import plan
+    from baft.plan.types import CheckpointPolicy
+
+    ranks = plan_input["ranks"]
+    p = plan(
+        {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)},
+        {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)},
+        CostModel.from_measurements(plan_input["cost"]),
+        CheckpointPolicy(redundancy="xor:2", persist_every=0),
+    )
+    return {r: (rp.owned_start, rp.owned_stop) for r, rp in p.ranks.items()}
+
+
+def test_replan_that_moves_shard_boundaries_then_recovery_is_bit_exact(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """The engine's one re-plan (after 3 checkpoints, when snapshots copy at another rate
+    than the plan assumed) moves the DP shard boundaries: every store must forget its
+    versions (a gap in the committed sequence) and the next versions commit under the new
+    layout, from which a crash after the re-plan restores bit-exactly."""
+    profiled = run_job(_config(tmp_path / "profile", store, [], iterations=2, profile_iters=1))
+    crafted = _crafted_plan_input(
+        json.loads((profiled["out"] / PLAN_INPUT_FILE).read_text()), num_dp=2
+    )
+    run = tmp_path / "replan"
+    failed = run_job(_config(run, store, ["kill:rank=1,iter=7,at=iteration"]), plan_input=crafted)
+    assert_same_training(failed, reference, 12)
+
+    replanned = json.loads((run / PLAN_INPUT_FILE).read_text())
+    assert replanned["replanned"] is True
+    measured = replanned["cost"]["copy_Bps"]
+    assert measured < 1e11 / 1.25  # the measured rate replaced the assumed one
+    before, after = _owned(crafted), _owned(replanned)
+    assert all(before[r] != after[r] for r in (0, 1, 2, 3)), (before, after, measured)
+    (r,) = failed["summary"]["recoveries"]
+    assert r["source"] == "memory" and r["restored_version"] == 6, r
+    assert r["sources"] == {"0": "local", "1": "local", "2": "local", "3": "local"}, r
+    assert r["lost_iterations"] == 1
+    # v0..v2 commit under the crafted plan; the re-plan after iteration 2's checkpoint
+    # clears every store (no committed version at iteration 3), then v3.. commit again;
+    # the restart restores v6 (committed at once) and goes on under the re-planned layout
+    committed = [m.get("committed_version") for m in failed["metrics"]]
+    assert committed == [None, 0, 1, None, 3, 4, 6, 6, 7, 8, 9, 10], committed
