@@ -233,6 +233,7 @@ def _owned(plan_input: dict[str, Any]) -> dict[int, tuple[int, int]]:
     return {r: (rp.owned_start, rp.owned_stop) for r, rp in p.ranks.items()}
 
 
+@pytest.mark.slow  # three launches (~3 min here): `make test-all`
 def test_replan_that_moves_shard_boundaries_then_recovery_is_bit_exact(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
