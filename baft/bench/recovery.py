@@ -4,7 +4,8 @@ Two launches of the same job (pp=2 on 2 ranks, one rank per simulated node, xor:
 DCP checkpoint every ``--persist-every`` committed versions):
 - ``memory``: a rank is SIGKILLed, later a node is lost (its rank and its store) — both
   restored from the in-memory stores (local shard; rebuilt from parity on the other node);
-- ``disk``: a power loss wipes every store — restored from the newest DCP checkpoint.
+- ``disk``: a power loss wipes every store — restored from the newest DCP checkpoint;
+- ``hang``: a rank freezes (SIGSTOP); detected by its peer's watchdog, then as a crash.
 Each recovery's phases come from the runtime's own report. The restore phase is
 inventory + transfer/decode + load; lost iterations follow from the checkpoint interval
 of each approach (1 in memory, ``--persist-every`` on disk).
@@ -92,6 +93,7 @@ def run_recovery(a: argparse.Namespace) -> int:
         _row("power loss, warm page cache", disk[0]),
         _row("power loss, cold (evicted) cache", cold[0]),
     ]
+    rows += _hang_rows(a, kill_at)
     state = _state_bytes(Path(a.out) / "memory")
     result = {
         "state_bytes_per_rank": state,
@@ -100,7 +102,7 @@ def run_recovery(a: argparse.Namespace) -> int:
         "restore_speedup_vs_disk": {
             f"{r['scenario']} vs {d['scenario']}": d["restore_s"] / r["restore_s"]
             for r in rows[:2]
-            for d in rows[2:]
+            for d in rows[2:4]
             if r["restore_s"]
         },
     }
@@ -128,6 +130,26 @@ def _peer_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
 
     out = Path(a.out) / "lm-resiliency"
     return [run_lm_recovery(out, layers=a.layers, d_model=a.d_model, iterations=a.iterations, verbose=a.verbose)]  # fmt: skip
+
+
+def _hang_rows(a: argparse.Namespace, at: int) -> list[dict[str, Any]]:
+    """A rank frozen with SIGSTOP (the ``freeze`` fault) at iteration ``at``: the watchdog
+    of its peer notices the silent heartbeat after ``--hang-timeout`` s, kills it and
+    leaves; torchrun restarts the group and it restores from memory. ``detect`` (freeze
+    to the first rank that noticed) and ``restart`` replace the crash's ``detect_restart``."""
+    if a.hang_timeout <= 0:
+        return []
+    out = Path(a.out) / "hang"
+    cfg = _cfg(a, out, [f"freeze:rank=1,iter={at}"])
+    assert cfg.checkpoint is not None
+    cfg.checkpoint.timeout_s = a.hang_timeout
+    if launch(cfg, quiet=not a.verbose) != 0:
+        raise RuntimeError("the hang job failed; rerun with --verbose")
+    recs = json.loads((out / "summary.json").read_text())["recoveries"]
+    if len(recs) != 1 or "detect" not in recs[0]["seconds"]:
+        raise RuntimeError(f"expected one recovery after a detected hang: {recs}")
+    recs[0]["seconds"].pop("detect_restart", None)
+    return [_row(f"rank hang (SIGSTOP, timeout {a.hang_timeout:g} s)", recs[0])]
 
 
 def _state_bytes(run: Path) -> list[int]:
@@ -181,6 +203,7 @@ def add_recovery_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=512, help="hidden size (default %(default)s)")
     p.add_argument("--iterations", type=int, default=15, help="(default %(default)s)")
     p.add_argument("--persist-every", type=int, default=4, help="DCP interval in checkpoints (default %(default)s)")  # fmt: skip
+    p.add_argument("--hang-timeout", type=float, default=10.0, help="--timeout of the hang row's job; 0 skips the row (default %(default)s)")  # fmt: skip
     p.add_argument("--out", default="runs/bench-recovery", help="(default %(default)s)")
     p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
     p.add_argument("--no-results", action="store_true", help="do not write the results page")
