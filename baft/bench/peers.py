@@ -132,10 +132,13 @@ class _GatedOptimizer:
         def gated(opt: Any, args: Any, kwargs: Any) -> None:
             if not gate.enabled:
                 return
-            gate._begin(gate.trainer_iteration)
-            start = time.perf_counter()
+            tl = gate.timeline
+            gate._begin(tl.iteration if tl is not None else -1)
+            start, t0 = time.perf_counter(), tl.now() if tl is not None else 0.0
             hook(opt, args, kwargs)
             gate._account(start, gate.nbytes)
+            if tl is not None:  # inside the trainer's "optimizer" event, on the main thread
+                tl.add("gemini-save", "ckpt", t0, tl.now(), slot="optimizer", exposed=True)
 
         return self._optimizer.register_step_post_hook(gated)
 
@@ -167,7 +170,8 @@ class LmResiliencyHooks(_BaselineHooks):
                 f"the world size {world} must be a multiple of {2 * ranks_per_node}"
             )
         self.nbytes = state_nbytes(trainer)
-        self.trainer_iteration = 0
+        self.timeline: IterationTimeline | None = None
+        """The iteration in progress (the library's hook runs inside optimizer.step())."""
         self.module = nn.ModuleList(trainer.modules)
         self.handle: Any = enable_resiliency(
             self.module,
@@ -189,7 +193,7 @@ class LmResiliencyHooks(_BaselineHooks):
         self.manager: Any = cast(Any, self.handle).ckpt_manager
 
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
-        self.trainer_iteration = iteration
+        self.timeline = timeline
         self._begin(iteration)
 
     def drain(self) -> None:
@@ -239,11 +243,17 @@ class DlroverFlashHooks(_BaselineHooks):
         self.directory = Path(directory)
         world = dist.get_world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
         with _env(TORCHELASTIC_RUN_ID=run_id, DLROVER_LOG_LEVEL="WARNING"):
             from dlrover.trainer.torch.flash_checkpoint.ddp import (
                 DdpCheckpointer,
                 StorageType,
             )
+
+            # importing dlrover calls logging.basicConfig(level=INFO): undo it, so the
+            # other modes in this process do not start logging at INFO
+            root.handlers[:], root.level = handlers, level
 
             self._memory = StorageType.MEMORY
             self.checkpointer = DdpCheckpointer(
@@ -260,13 +270,14 @@ class DlroverFlashHooks(_BaselineHooks):
         self._begin(iteration)
         if not self.enabled:
             return
-        start = time.perf_counter()
+        start, t0 = time.perf_counter(), timeline.now()
         engine = self.checkpointer._engine
-        before = engine._cached_step
+        before = engine._cached_step  # save_checkpoint does not say whether it skipped
         self.checkpointer.save_checkpoint(iteration + 1, self._state(), storage_type=self._memory)
         saved = engine._cached_step != before
         self.skipped += 0 if saved else 1
         self._account(start, self.nbytes if saved else 0)
+        timeline.add("dlrover-save", "ckpt", t0, timeline.now(), slot="after_step", exposed=True)
 
     def restore(self) -> dict[str, Any]:
         """The newest snapshot as the library loads it (collective), ``{}`` if none.
