@@ -287,6 +287,8 @@ class Watchdog:
         self._seq = 0
         self._done = False
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Wakes the beat thread at once (stop: the last beat says done)."""
         self._started = time.monotonic()
         self._store_ok_at = self._started
         self._seen: dict[int, tuple[bytes, float, dict[str, Any]]] = {}
@@ -365,15 +367,23 @@ class Watchdog:
         self._report(verdict, reason, kill=[r for r in kill if r is not None])
 
     def stop(self) -> None:
-        """Training ended here: tell peers (a finished rank is no hang) and stop."""
+        """Training ended here: tell peers (a finished rank is no hang), stop the threads
+        and join them (a daemon thread still inside a store call at interpreter exit can
+        abort the process)."""
         with self._lock:
             self._done = True
             self._section = None
+            seq = self._seq
         deadline = time.monotonic() + 3 * self.beat_s
-        seq = self._seq
-        while self._seq == seq and time.monotonic() < deadline and self._threads:
-            time.sleep(self.beat_s / 10)  # one more beat carries done=True
+        # the round in flight may have read done=False; the next one carries done=True
+        while self._seq < seq + 2 and time.monotonic() < deadline and self._threads:
+            self._wake.set()
+            time.sleep(self.beat_s / 20)
         self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=2 * self.beat_s + 2.0)
+        self._threads = []
 
     # ------------------------------------------------------------------ threads
     def _connect(self) -> Any:
@@ -413,7 +423,8 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001 - the store is down or slow: keep trying
                 _log.debug("baft watchdog: store round failed: %s", e)
                 store = None
-            self._stop.wait(self.beat_s)
+            self._wake.wait(self.beat_s)
+            self._wake.clear()
 
     def _views(self, now: float) -> list[PeerView]:
         with self._lock:

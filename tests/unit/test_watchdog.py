@@ -177,3 +177,36 @@ def test_error_in_a_section_kills_nobody_when_peers_beat(tmp_path: Path) -> None
     (rec,) = wdm.read_hangs(tmp_path)
     assert rec["kind"] == "peer" and rec["killed"] == []  # on another host: not ours to kill
     assert "TimeoutError while rank 1 has been silent for " in rec["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_rank_is_not_a_hang(tmp_path: Path) -> None:
+    """stop() publishes done=True before its threads end (and joins them): the peer never
+    declares the finished rank, however long it keeps running."""
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dogs = [
+        Watchdog(
+            rank=r,
+            world_size=2,
+            timeout_s=1.0,
+            run_dir=tmp_path,
+            host="127.0.0.1",
+            port=port,
+            exit_process=False,
+        ).start()
+        for r in (0, 1)
+    ]
+    try:
+        while 1 not in dogs[0]._seen:
+            time.sleep(0.05)
+        dogs[1].stop()
+        assert dogs[1]._threads == []
+        while not dogs[0]._views(time.monotonic())[0].done:
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the timeout: a silent, unfinished rank would be declared
+        assert dogs[0].verdict is None
+        assert wdm.read_hangs(tmp_path) == []
+    finally:
+        dogs[0].stop()
+        del master
