@@ -8,7 +8,9 @@ peers wait for it. Two mechanisms turn a hang into a crash that recovery already
    job's timeout ``T`` (``CheckpointConfig.timeout_s``, ``--timeout``), so collectives
    (DP/TP all-reduces, the checkpoint commit vote, restore broadcasts) raise after ``T``;
    pipeline and checkpoint send/receive waits pass ``T`` to ``Work.wait`` explicitly,
-   because gloo does not apply a group's timeout to the wait of a point-to-point op.
+   because gloo does not apply a group's timeout to the wait of a point-to-point op. On
+   CUDA the same call sets the NCCL groups' timeout, after which NCCL's own watchdog
+   aborts a stuck collective (``TORCH_NCCL_ASYNC_ERROR_HANDLING``; untested here).
 2. **The watchdog** (:class:`Watchdog`): two daemon threads per rank. The *beat* thread
    publishes a heartbeat (sequence number, current section, pid, host) every ``T/10``
    seconds (at most 1 s) through the job's c10d TCPStore on a connection of its own,
@@ -17,8 +19,8 @@ peers wait for it. Two mechanisms turn a hang into a crash that recovery already
    thread saw. A peer whose heartbeat has not changed for ``T`` seconds, an unresponsive
    store for ``T`` seconds, or this rank's own section running longer than its limit,
    makes the rank log which rank and section, dump the Python stacks of its threads
-   (``faulthandler``), append a record to ``RUN_DIR/hangs.jsonl``, SIGKILL a frozen peer
-   on the same host (torchrun would wait 30 s for a stopped process to honour SIGTERM)
+   (``faulthandler``), append a record to ``RUN_DIR/hangs.jsonl``, SIGKILL the suspect if
+   it is a stopped process on this host (torchrun would wait 30 s for it to honour SIGTERM)
    and leave with :data:`WATCHDOG_EXIT_CODE`; torchrun then restarts the group and the
    restore proceeds as for a crash.
 
