@@ -70,6 +70,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--warmup", type=int, default=d.num_warmup, help="unmeasured iterations at the start and per mode (default %(default)s)")  # fmt: skip
     add("--modes", default=None, help="comma-separated modes (default: all; lm-resiliency and dlrover-flash need pip install -e '.[peers]' and are left out when missing)")  # fmt: skip
     add("--compute", choices=("real", "emulated"), default=d.compute, help="stage compute (default %(default)s)")  # fmt: skip
+    add("--emulated-ms", default="", metavar="F/B,...", help="fixed emulated forward/backward ms per stage, e.g. 15.7/29.4,15.2/28.4 (default: calibrate at start-up)")  # fmt: skip
     add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip
     add("--checkpoint", default=d.checkpoint, metavar="SPEC", help="policy of the engine modes naive-async and baft (default %(default)s)")  # fmt: skip
     add("--store-root", default=d.store_root, help="shared-memory root of the engine stores (default %(default)s)")  # fmt: skip
@@ -115,6 +116,7 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
         num_warmup=a.warmup,
         modes=_modes(a),
         compute=a.compute,
+        emulated_ms=getattr(a, "emulated_ms", ""),
         out_dir=a.out,
         seed=a.seed,
         ranks_per_node=a.ranks_per_node,
@@ -232,10 +234,13 @@ def command_line(a: argparse.Namespace) -> str:
         ("--heads", a.heads), ("--seq-len", a.seq_len), ("--batch", a.batch),
         ("--blocks", a.blocks), ("--block-iters", a.block_iters),
         ("--switch-iters", a.switch_iters), ("--warmup", a.warmup), ("--modes", a.modes),
-        ("--compute", a.compute), ("--ranks-per-node", a.ranks_per_node),
+        ("--compute", a.compute), ("--emulated-ms", getattr(a, "emulated_ms", "") or None),
+        ("--ranks-per-node", a.ranks_per_node),
         ("--checkpoint", a.checkpoint), ("--seed", a.seed), ("--out", a.out),
     ]  # fmt: skip
-    words = ["baft", "bench", "overhead"] + [w for f, v in flags for w in (f, str(v))]
+    words = ["baft", "bench", "overhead"] + [
+        w for f, v in flags if v is not None for w in (f, str(v))
+    ]
     return shlex.join(words + (["--json"] if a.json else []))
 
 

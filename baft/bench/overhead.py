@@ -94,6 +94,9 @@ class OverheadConfig:
     """Modes to compare, in order; must include ``none`` (the reference)."""
     compute: str = "real"
     """``real`` or ``emulated`` (stage compute becomes calibrated sleeps)."""
+    emulated_ms: str = ""
+    """Emulated per-stage forward/backward milliseconds, ``F/B,F/B,...`` (one pair per
+    stage); empty = calibrate on the real stages at start-up (slow on a loaded machine)."""
     out_dir: str = "runs/bench-overhead"
     """Run directory: config, raw results and the checkpoint files the modes write."""
     seed: int = 0
@@ -120,10 +123,36 @@ class OverheadConfig:
             raise ValueError(f"--modes lists a mode twice: {self.modes}")
         if self.compute not in ("real", "emulated"):
             raise ValueError(f"--compute must be real or emulated, got {self.compute!r}")
+        if self.emulated_ms:
+            times = self.fixed_emulated_times()
+            if times is not None and len(times["fwd"]) != self.train_config().parallel.num_stages:
+                raise ValueError(
+                    f"--emulated-ms gives {len(times['fwd'])} stages, the layout has "
+                    f"{self.train_config().parallel.num_stages}"
+                )
         cfg = self.train_config()
         if any(m in ENGINE_MODES for m in self.modes):
             cfg.checkpoint = self.engine_checkpoint("baft")
         cfg.validate()
+
+    def fixed_emulated_times(self) -> dict[str, list[float]] | None:
+        """``emulated_ms`` as {"fwd": [s, ...], "bwd": [s, ...]}, or None when unset."""
+        if not self.emulated_ms:
+            return None
+        fwd, bwd = [], []
+        for pair in self.emulated_ms.split(","):
+            try:
+                f, b = (float(x) / 1e3 for x in pair.split("/"))
+            except ValueError:
+                raise ValueError(
+                    f"--emulated-ms {self.emulated_ms!r}: expected FWD/BWD milliseconds per "
+                    "stage, e.g. 15.7/29.4,15.2/28.4"
+                ) from None
+            if f < 0 or b < 0:
+                raise ValueError(f"--emulated-ms {self.emulated_ms!r}: times must be >= 0")
+            fwd.append(f)
+            bwd.append(b)
+        return {"fwd": fwd, "bwd": bwd}
 
     def engine_checkpoint(self, mode: str) -> Any:
         """The CheckpointConfig of engine mode ``mode`` (own store, own DCP directory)."""
@@ -463,7 +492,7 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     rank, world = mesh.rank, dist.get_world_size()
     if bcfg.compute == "emulated":
         cfg.compute = "emulated"
-        cfg.emulated_times = calibrate_emulated(cfg, mesh)
+        cfg.emulated_times = bcfg.fixed_emulated_times() or calibrate_emulated(cfg, mesh)
     trainer = Trainer(cfg, mesh)
     it = 0
     _run_block(trainer, None, it, bcfg.num_warmup)

@@ -201,3 +201,14 @@ def test_bench_components_match_the_engine() -> None:
     from baft.engine.engine import COMPONENTS as ENGINE_COMPONENTS
 
     assert COMPONENTS == ENGINE_COMPONENTS
+
+
+def test_fixed_emulated_times_parse_and_reject_bad_input() -> None:
+    cfg = OverheadConfig(modes=["none"], compute="emulated", emulated_ms="15.5/29,15/28.5")
+    cfg.validate()
+    assert cfg.fixed_emulated_times() == {"fwd": [0.0155, 0.015], "bwd": [0.029, 0.0285]}
+    with pytest.raises(ValueError, match="gives 1 stages, the layout has 2"):
+        OverheadConfig(modes=["none"], compute="emulated", emulated_ms="15/29").validate()
+    with pytest.raises(ValueError, match="expected FWD/BWD milliseconds per stage"):
+        OverheadConfig(modes=["none"], compute="emulated", emulated_ms="15,29").validate()
+    assert OverheadConfig(modes=["none"]).fixed_emulated_times() is None
