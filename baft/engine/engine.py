@@ -675,6 +675,8 @@ class CheckpointEngine:
         """Finish pending commit and persist; release the store mappings."""
         self.worker.shutdown()
         self.copier.shutdown()
+        for peer in self.peers.values():
+            peer.close()
         self._resolve_commit()
         self._join_persist()
         if self.persister is not None:
