@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet -e '.[dev,peers]'
+	$(BIN)/python tools/drop_broken_entry_points.py
 	touch $(STAMP)
 
 demo: $(STAMP)
