@@ -100,6 +100,18 @@ CASES: dict[str, tuple[list[str], list[Options]]] = {
         ],
         [[("disk", None)]],
     ),
+    # corruption of a redundancy region that is needed: rank 1 dies mid-snapshot of v6;
+    # while the job restores v5, rank 2's parity of v5 gets a flipped byte and node 0 is
+    # lost. Rebuilding node 0 needs exactly that parity: the checksum must catch it
+    # (no silent wrong restore) and the DCP checkpoint serves
+    "needed-parity-corrupted-falls-back-to-disk": (
+        [
+            "kill:rank=1,iter=6,at=snapshot",
+            "corrupt:rank=2,iter=5,target=redundancy,at=recovery",
+            "node:0,iter=5,at=recovery",
+        ],
+        [[("disk", None)]],
+    ),
     "hang": (["hang:rank=1,iter=5"], [killed_after_snapshot(1)]),
     "slow-peer": (["slow:rank=1,iter=4,s=0.2,iters=2"], []),
 }
