@@ -40,7 +40,7 @@ DEFAULT_ROOT = Path("/dev/shm/baft")
 """Default store root: tmpfs, survives process crashes, not reboots."""
 PAGE = mmap.PAGESIZE
 MANIFEST_RESERVE_BYTES = 3 * 64 * 1024
-"""Budget set aside for the two slot manifests and the commit record."""
+"""Budget set aside for the two slot manifests, the commit record and the progress page."""
 NUM_SLOTS = 2
 PROGRESS_FILE = "progress"
 """Four int64: version being written, its slot, shard bytes final so far, a change count."""

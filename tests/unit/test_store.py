@@ -77,11 +77,11 @@ def test_allocate_permissions_sizes_and_host_bytes():
         assert stat.S_IMODE(store.path.stat().st_mode) == 0o700
         assert stat.S_IMODE(store.path.parent.stat().st_mode) == 0o700
         files = sorted(p.name for p in store.path.iterdir())
-        assert files == ["slot0.data", "slot0.red", "slot1.data", "slot1.red"]
+        assert files == ["progress", "slot0.data", "slot0.red", "slot1.data", "slot1.red"]
         assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in store.path.iterdir())
         assert store.data_view(0).size == 10_000 and store.red_view(1).size == 3_000
         pages = 2 * (-(-10_000 // PAGE) + -(-3_000 // PAGE)) * PAGE
-        assert store.host_bytes() == pages
+        assert store.host_bytes() == pages + PAGE  # + the progress record's page
         assert pages + MANIFEST_RESERVE_BYTES == SnapshotStore.required_bytes(10_000, 3_000)
         _write(store, 1, 5)
         assert store.host_bytes() <= SnapshotStore.required_bytes(10_000, 3_000)
