@@ -305,7 +305,13 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     if emulated and result.get("emulated_times"):
         t = result["emulated_times"]
         lines.append(
-            "- EMULATED: per-stage forward/backward sleeps (ms) calibrated on the real model: "
+            "- EMULATED: per-stage forward/backward sleeps (ms) "
+            + (
+                "fixed by --emulated-ms"
+                if cfg.get("emulated_ms")
+                else "calibrated on the real model"
+            )
+            + ": "
             + ", ".join(
                 f"stage {i}: {f * 1e3:.1f}/{b * 1e3:.1f}"
                 for i, (f, b) in enumerate(zip(t["fwd"], t["bwd"], strict=True))
