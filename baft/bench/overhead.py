@@ -369,7 +369,10 @@ def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tup
 
     hooks: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    for mode in bcfg.modes:
+    # DLRover forks its saver process when built: build it before the other modes start
+    # their threads (forked after the other seven modes, its saver once never came up:
+    # "Timed out waiting for socket server: ckpt_lock_rank_0"; fork-with-threads suspected)
+    for mode in sorted(bcfg.modes, key=lambda m: m != "dlrover-flash"):
         obj, error = None, ""
         try:
             obj = _make_mode(mode, bcfg, cfg, mesh, trainer)
@@ -385,7 +388,7 @@ def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tup
                 obj.enabled = False
             hooks[mode] = obj
         trainer.hooks = None  # the engine installs itself; the harness decides
-    return hooks, skipped
+    return {m: hooks[m] for m in bcfg.modes if m in hooks}, skipped
 
 
 def _close(hooks: Any) -> None:
