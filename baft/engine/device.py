@@ -59,9 +59,11 @@ class ChunkCopy:
     ``checksum`` is then set when the copier hashed them on the way (host copiers), else
     None (the reader hashes). ``seconds`` is the copy's own duration where known."""
 
-    __slots__ = ("checksum", "seconds", "nbytes", "_done", "_cuda_event")
+    __slots__ = ("checksum", "seconds", "nbytes", "background", "_done", "_cuda_event")
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, background: bool = False) -> None:
+        self.background = background
+        """Copied off the calling thread (a copy thread or DMA)."""
         self.checksum: int | None = None
         self.seconds = 0.0
         self.nbytes = nbytes
@@ -137,7 +139,7 @@ class ThreadCopy:
         self._thread.start()
 
     def start(self, pairs: Sequence[Pair]) -> ChunkCopy:
-        c = ChunkCopy(_pairs_nbytes(pairs))
+        c = ChunkCopy(_pairs_nbytes(pairs), background=True)
         self._queue.put((pairs, c))
         return c
 
@@ -183,7 +185,7 @@ class CudaCopy:
         self._last: Any = None
 
     def start(self, pairs: Sequence[Pair]) -> ChunkCopy:
-        c = ChunkCopy(_pairs_nbytes(pairs))
+        c = ChunkCopy(_pairs_nbytes(pairs), background=True)
         # The side stream must see every kernel that produced the sources so far.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

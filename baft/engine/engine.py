@@ -36,7 +36,13 @@ import torch
 import torch.distributed as dist
 
 from baft.config import TrainConfig
-from baft.engine.device import ChunkCopy, device_copy_for, pin_host_buffer
+from baft.engine.device import (
+    ChunkCopy,
+    DeviceCopy,
+    ThreadCopy,
+    device_copy_for,
+    pin_host_buffer,
+)
 from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, SaveHandle
 from baft.engine.plan_input import (
@@ -155,6 +161,10 @@ class CheckpointEngine:
         """Other ranks on this host -> their stores (see _find_same_host_peers)."""
         self.skip_version: int | None = None
         self.copier = device_copy_for(mesh.device, emulated=cfg.compute == "emulated")
+        # Copies that fit no bubble never stall the host either: with a synchronous copier
+        # (CPU training) they go to a copy thread started at the iteration's start, where
+        # they overlap compute as naive-async's would (bubble-aware is never worse).
+        self.spill_copier = self.copier if self.copier.asynchronous else ThreadCopy()
         # Host-side protect work waits for bubbles only when the host also computes.
         gated = mesh.device.type == "cpu" and cfg.compute == "real" and not naive
         self.worker = ProtectWorker(
@@ -374,13 +384,21 @@ class CheckpointEngine:
             if v is not None:
                 v.snapshot_event = threading.Event()
                 self.worker.submit(lambda: self._run_all(v))
-        elif self.copier.asynchronous and self._slot_tasks.get(SPILL):
-            # Copies that fit no bubble: with an asynchronous copier they need not block
-            # the host before the step, so they start now and finish by the deadline.
+        elif self._slot_tasks.get(SPILL):
+            # Copies that fit no bubble start now on an asynchronous copier and finish by
+            # the deadline, instead of stalling the host just before the step.
             cur = self._current(iteration)
             if cur is not None:
                 for task, pieces in self._slot_tasks[SPILL]:
-                    self._snapshot(cur, task, pieces, timeline, "iteration_start", exposed=False)
+                    self._snapshot(
+                        cur,
+                        task,
+                        pieces,
+                        timeline,
+                        "iteration_start",
+                        exposed=False,
+                        copier=self.spill_copier,
+                    )
 
     def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.injector is not None:
@@ -418,10 +436,12 @@ class CheckpointEngine:
                     self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
             start = timeline.now()
             self.copier.synchronize()  # the step deadline: every copy of v is done
+            if self.spill_copier is not self.copier:
+                self.spill_copier.synchronize()
             waited = timeline.now() - start
             v.seconds["deadline_wait"] += waited
-            if self.copier.asynchronous:
-                v.exposed_s += waited
+            v.exposed_s += waited
+            if waited > 1e-4:
                 timeline.add(
                     "snapshot-wait", "ckpt", start, start + waited, slot="pre_step", exposed=True
                 )
@@ -490,11 +510,13 @@ class CheckpointEngine:
         slot_id: str,
         *,
         exposed: bool,
+        copier: DeviceCopy | None = None,
     ) -> None:
         start = time.perf_counter()
         lo = task.offset - self._owned_start
         out = v.data[lo : lo + task.nbytes]
-        copy = self.copier.start(self.flat.pairs(pieces, out))  # returns at once if async
+        copier = copier or self.copier
+        copy = copier.start(self.flat.pairs(pieces, out))  # returns at once if async
         v.done.add(task.chunk_id)
         v.snapshot_bytes += task.nbytes
         chunk_id = task.chunk_id
@@ -505,7 +527,7 @@ class CheckpointEngine:
         elapsed = time.perf_counter() - start
         if exposed:
             v.exposed_s += elapsed
-        elif not self.copier.asynchronous:
+        elif not copier.asynchronous:
             v.in_bubble_s += elapsed
         if timeline is not None:
             end = timeline.now()
@@ -524,7 +546,7 @@ class CheckpointEngine:
         by host copiers) and send the redundancy pieces it completes."""
         copy.wait(self.ck.timeout_s)
         v.seconds["copy"] += copy.seconds
-        if self.copier.asynchronous:
+        if copy.background:
             v.in_bubble_s += copy.seconds  # background copy time, off the training thread
         if copy.seconds > 0:  # measured copy rate (the re-plan compares it with the plan's)
             self._observed = (self._observed[0] + copy.nbytes, self._observed[1] + copy.seconds)
@@ -675,6 +697,8 @@ class CheckpointEngine:
         """Finish pending commit and persist; release the store mappings."""
         self.worker.shutdown()
         self.copier.shutdown()
+        if self.spill_copier is not self.copier:
+            self.spill_copier.shutdown()
         for peer in self.peers.values():
             peer.close()
         self._resolve_commit()
