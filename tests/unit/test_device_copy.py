@@ -105,3 +105,64 @@ def test_device_copy_for_picks_the_seam() -> None:
     emulated = device_copy_for(torch.device("cpu"), emulated=True)
     assert isinstance(emulated, ThreadCopy) and emulated.asynchronous
     emulated.shutdown()
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for CudaCopy's logic on a CPU-only machine: streams are
+    no-ops, an event is complete once recorded."""
+
+    class Stream:
+        def __init__(self, device: object = None) -> None:
+            self.waited: list[object] = []
+
+        def wait_stream(self, other: object) -> None:
+            self.waited.append(other)
+
+    class Event:
+        def __init__(self) -> None:
+            self.recorded = False
+
+        def record(self, stream: object) -> None:
+            self.recorded = True
+
+        def synchronize(self) -> None:
+            assert self.recorded
+
+        def query(self) -> bool:
+            return self.recorded
+
+    def __init__(self) -> None:
+        self.current = object()
+        self.entered: list[object] = []
+
+    def current_stream(self, device: object = None) -> object:
+        return self.current
+
+    def stream(self, s: object):  # noqa: ANN201 - a context manager
+        import contextlib
+
+        self.entered.append(s)
+        return contextlib.nullcontext()
+
+
+def test_cuda_seam_orders_copies_after_compute_and_leaves_hashing_to_the_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA copier without a GPU (torch.cuda faked): copies are issued on the side
+    stream after it waited for the compute stream, start() returns a background handle
+    whose checksum is None (the engine hashes on the host after the event), bytes land."""
+    import baft.engine.device as device
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(device.torch, "cuda", fake)
+    copier = device.device_copy_for(torch.device("cuda", 0))
+    assert isinstance(copier, device.CudaCopy) and copier.asynchronous
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    c = copier.start([(dst, src)])
+    assert copier.stream.waited == [fake.current]  # ordered after compute
+    assert fake.entered == [copier.stream]  # issued on the side stream
+    assert c.background and c.checksum is None
+    c.wait(1.0)
+    copier.synchronize()
+    assert c.done() and torch.equal(dst, src)
