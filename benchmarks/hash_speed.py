@@ -67,13 +67,17 @@ def main() -> None:
         "copy then hash (two passes)": copy_then_hash,
         "copy and hash per 512 KiB block": copy_and_hash,
     }
-    print(f"crc32c hardware: {crc32c.hardware_based}; google-crc32c impl: {google_crc32c.implementation}")
+    print(
+        f"crc32c hardware: {crc32c.hardware_based}; google-crc32c impl: {google_crc32c.implementation}"
+    )
     results: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(3):  # interleave rounds so drifting load hits every case alike
         for name, fn in cases.items():
             results[name].append(_gbps(fn, CHUNK, a.repeats))
     for name, r in results.items():
-        print(f"{name:40s} {statistics.median(r):6.2f} GB/s  (rounds: {', '.join(f'{x:.2f}' for x in r)})")
+        print(
+            f"{name:40s} {statistics.median(r):6.2f} GB/s  (rounds: {', '.join(f'{x:.2f}' for x in r)})"
+        )
 
 
 if __name__ == "__main__":
