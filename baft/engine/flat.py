@@ -83,11 +83,6 @@ class FlatState:
         what a :class:`~baft.engine.device.DeviceCopy` copies for one chunk."""
         return [(out[p.out_offset : p.out_offset + p.nbytes], self.view(p)) for p in pieces]
 
-    def read_into(self, pieces: tuple[Piece, ...], out: torch.Tensor) -> None:
-        """Copy live bytes of ``pieces`` into the host uint8 tensor ``out`` (synchronous)."""
-        for dst, src in self.pairs(pieces, out):
-            dst.copy_(src)
-
     def write_from(self, start: int, data: torch.Tensor) -> None:
         """Overwrite flat bytes ``[start, start + len(data))`` of the live tensors."""
         for p in self.pieces(start, start + data.numel()):

@@ -126,13 +126,19 @@ def test_same_host_and_network_paths_give_identical_redundancy(
     assert all(len(s) == len(e.regions) for s, e in zip(sums, shm_ex, strict=True))
 
 
+def _xor2_stores(tmp: Path, nbytes: int) -> tuple[dict, list[SnapshotStore]]:
+    """Two ranks on two simulated nodes under xor:2, each with an allocated store."""
+    topo = Topology(num_dp=2, ranks_per_node=1)
+    layouts = group_layouts(topo, Redundancy.parse("xor:2"), {0: nbytes, 1: nbytes})
+    stores = [SnapshotStore(tmp, "job", r, r, 1 << 30) for r in range(2)]
+    for r, s in enumerate(stores):
+        s.allocate(nbytes, layouts[r].redundancy_nbytes(r))
+    return layouts, stores
+
+
 def test_same_host_pull_waits_for_published_progress(tmp_path: Path) -> None:
     """Bytes the sender has not published as final are never copied."""
-    topo = Topology(num_dp=2, ranks_per_node=1)
-    layouts = group_layouts(topo, Redundancy.parse("xor:2"), {0: 3 * PIECE, 1: 3 * PIECE})
-    stores = [SnapshotStore(tmp_path, "job", r, r, 1 << 30) for r in range(2)]
-    for r, s in enumerate(stores):
-        s.allocate(3 * PIECE, layouts[r].redundancy_nbytes(r))
+    layouts, stores = _xor2_stores(tmp_path, 3 * PIECE)
     stores[1].data_view(0)[:] = 5
     ex = RedundancyExchange(
         layouts[0], 0, LocalTransport.group(2)[0], PIECE, peers={1: PeerStore(stores[1].path, 1)}
@@ -165,11 +171,7 @@ def test_holder_fails_when_a_network_peer_dies_mid_transfer(tmp_path: Path) -> N
 
 
 def test_holder_times_out_when_a_same_host_peer_stops(tmp_path: Path) -> None:
-    topo = Topology(num_dp=2, ranks_per_node=1)
-    layouts = group_layouts(topo, Redundancy.parse("xor:2"), {0: 2 * PIECE, 1: 2 * PIECE})
-    stores = [SnapshotStore(tmp_path, "job", r, r, 1 << 30) for r in range(2)]
-    for r, s in enumerate(stores):
-        s.allocate(2 * PIECE, layouts[r].redundancy_nbytes(r))
+    layouts, stores = _xor2_stores(tmp_path, 2 * PIECE)
     ex = RedundancyExchange(
         layouts[0],
         0,
