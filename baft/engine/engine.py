@@ -44,20 +44,19 @@ from baft.engine.device import (
     pin_host_buffer,
 )
 from baft.engine.flat import FlatState, Piece
-from baft.engine.persister import Persister, SaveHandle
-from baft.engine.plan_input import (
-    PLAN_INPUT_FILE,
-    bmap_from_json,
-    bmap_to_json,
-    layout_from_json,
-    layout_to_json,
-    persist_name,
-)
+from baft.engine.persister import Persister, SaveHandle, persist_name
 from baft.engine.redundancy import RedundancyExchange
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.cost import CostModel
+from baft.plan.inputs import (
+    PLAN_INPUT_FILE,
+    bmap_from_json,
+    bmap_to_json,
+    layout_from_json,
+    layout_to_json,
+)
 from baft.plan.planner import plan as make_plan
 from baft.plan.types import CheckpointPlan, StateLayout, Task, TaskKind
 from baft.profile.bubbles import bubble_map

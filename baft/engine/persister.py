@@ -57,6 +57,11 @@ _log = logging.getLogger(__name__)
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 
 
+def persist_name(flat_name: str) -> str:
+    """DCP key of a flat-state tensor: model params keep their plain FQN."""
+    return flat_name[len("model.") :] if flat_name.startswith("model.") else flat_name
+
+
 def version_dir(directory: str | Path, version: int) -> Path:
     """Directory of ``version`` under ``directory`` (``v{version:08d}``)."""
     return Path(directory) / f"v{version:08d}"

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from baft.engine.plan_input import PLAN_INPUT_FILE, bmap_from_json, layout_from_json
 from baft.plan.cost import CostModel
+from baft.plan.inputs import PLAN_INPUT_FILE, bmap_from_json, layout_from_json
 from baft.plan.planner import plan as make_plan
 from baft.plan.render import bubble_table, plan_table, plan_to_dict
 from baft.plan.types import CheckpointPolicy

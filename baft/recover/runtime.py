@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 from baft.config import TrainConfig
 from baft.engine.engine import CheckpointEngine
-from baft.engine.persister import list_versions, load_version
-from baft.engine.plan_input import persist_name
+from baft.engine.persister import list_versions, load_version, persist_name
 from baft.engine.watchdog import read_hangs
 from baft.recover.coordinator import RecoveryPlan, coordinate
 from baft.store.manifest import RankInventory

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from baft.config import ModelConfig, ParallelConfig, TrainConfig
-from baft.engine.plan_input import PLAN_INPUT_FILE
+from baft.plan.inputs import PLAN_INPUT_FILE
 from baft.train.launch import launch, launch_env, prepare_run_dir, torchrun_command
 
 TINY_MODEL = ModelConfig(num_layers=4, d_model=64, num_heads=4, seq_len=32)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from baft.config import CheckpointConfig, TrainConfig
-from baft.engine.plan_input import PLAN_INPUT_FILE
+from baft.plan.inputs import PLAN_INPUT_FILE
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -218,8 +218,8 @@ def _crafted_plan_input(profiled: dict[str, Any], num_dp: int) -> dict[str, Any]
 
 def _owned(plan_input: dict[str, Any]) -> dict[int, tuple[int, int]]:
     """Owned byte range per rank of the plan the engine makes from ``plan_input``."""
-    from baft.engine.plan_input import bmap_from_json, layout_from_json
     from baft.plan.cost import CostModel
+    from baft.plan.inputs import bmap_from_json, layout_from_json
     from baft.plan.planner import plan
     from baft.plan.types import CheckpointPolicy
 

@@ -2,7 +2,7 @@
 
 Every rank's measured BubbleMap and state layout plus the cost model; saved once after
 profiling so a restarted job (and ``baft plan --run``) re-plans deterministically without
-profiling again. Also the DCP names of flat-state tensors.
+profiling again.
 """
 
 from __future__ import annotations
@@ -13,11 +13,6 @@ from typing import Any
 from baft.plan.types import BubbleMap, Slot, StateLayout, TensorSpec
 
 PLAN_INPUT_FILE = "plan_input.json"
-
-
-def persist_name(flat_name: str) -> str:
-    """DCP key of a flat-state tensor: model params keep their plain FQN."""
-    return flat_name[len("model.") :] if flat_name.startswith("model.") else flat_name
 
 
 def bmap_to_json(b: BubbleMap) -> dict[str, Any]:
