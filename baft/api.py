@@ -25,12 +25,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
-from baft.config import CheckpointConfig, TrainConfig
+from baft.config import CheckpointConfig, TrainConfig, default_job_id
 from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
+from baft.pipeline.mesh import Mesh, mesh_view, pick_device
+from baft.pipeline.step import StepRunner, check_optimizer
 from baft.topology import Topology
-from baft.train.launch import default_job_id
-from baft.train.mesh import Mesh, mesh_view, pick_device
-from baft.train.trainer import StepRunner, check_optimizer
 
 
 def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:

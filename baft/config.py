@@ -6,7 +6,9 @@ and tests build them directly.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")
@@ -261,3 +263,9 @@ class TrainConfig:
         ck = d.pop("checkpoint", None)
         checkpoint = CheckpointConfig(**ck) if ck is not None else None
         return cls(model=model, parallel=parallel, checkpoint=checkpoint, **d)
+
+
+def default_job_id(out_dir: str) -> str:
+    """A store name unique to the run directory, stable across restarts."""
+    digest = hashlib.sha1(str(Path(out_dir).resolve()).encode()).hexdigest()[:10]
+    return f"job-{digest}"

@@ -40,7 +40,7 @@ def worker(cfg_path: str) -> None:
         _switch,
         calibrate_emulated,
     )
-    from baft.train.mesh import init_mesh
+    from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
     from baft.train.worker import process_main
 

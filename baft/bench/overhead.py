@@ -486,7 +486,7 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from baft.bench.baselines import state_nbytes
-    from baft.train.mesh import init_mesh
+    from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
 
     torch.set_num_threads(1)

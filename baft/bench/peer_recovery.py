@@ -40,7 +40,7 @@ def _worker(c: dict[str, Any], t_start: float) -> None:
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 
     from baft.config import ModelConfig, ParallelConfig, TrainConfig
-    from baft.train.mesh import init_mesh
+    from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
 
     out = Path(c["out"])

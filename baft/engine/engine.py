@@ -49,6 +49,8 @@ from baft.engine.redundancy import RedundancyExchange
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
+from baft.pipeline.mesh import Mesh
+from baft.pipeline.step import StepRunner
 from baft.plan.cost import CostModel
 from baft.plan.inputs import (
     PLAN_INPUT_FILE,
@@ -65,8 +67,6 @@ from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layo
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
 from baft.store.peer import PeerStore
 from baft.store.shm import MemoryBudgetError, SnapshotStore
-from baft.train.mesh import Mesh
-from baft.train.trainer import StepRunner
 
 log = logging.getLogger("baft")
 SPILL = "__spill__"

@@ -35,10 +35,10 @@ from baft.config import TrainConfig
 from baft.engine.engine import CheckpointEngine
 from baft.engine.persister import list_versions, load_version, persist_name
 from baft.engine.watchdog import read_hangs
+from baft.pipeline.mesh import Mesh
+from baft.pipeline.step import StepRunner
 from baft.recover.coordinator import RecoveryPlan, coordinate
 from baft.store.manifest import RankInventory
-from baft.train.mesh import Mesh
-from baft.train.trainer import StepRunner
 
 
 class RestoreError(RuntimeError):

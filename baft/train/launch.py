@@ -7,7 +7,6 @@ box made pipelines 3-6x slower).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from baft.config import TrainConfig
+from baft.config import TrainConfig, default_job_id
 
 
 def torchrun_command(cfg_path: Path, nproc: int, max_restarts: int = 0) -> list[str]:
@@ -40,12 +39,6 @@ def launch_env() -> dict[str, str]:
     env.setdefault("LOGLEVEL", "WARNING")
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env
-
-
-def default_job_id(out_dir: str) -> str:
-    """A store name unique to the run directory, stable across restarts."""
-    digest = hashlib.sha1(str(Path(out_dir).resolve()).encode()).hexdigest()[:10]
-    return f"job-{digest}"
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:

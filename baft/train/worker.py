@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from baft.config import TrainConfig
 from baft.engine.watchdog import start_watchdog
-from baft.train.mesh import init_mesh
+from baft.pipeline.mesh import init_mesh
+from baft.pipeline.step import StepResult, combine_digests
 from baft.train.progress import Progress
-from baft.train.trainer import StepResult, Trainer, combine_digests
+from baft.train.trainer import Trainer
 
 
 def _gather_metrics(trainer: Trainer, res: StepResult) -> dict[str, Any]:

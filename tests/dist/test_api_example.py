@@ -70,6 +70,6 @@ def test_example_recovers_bit_exactly(tmp_path: Path) -> None:
 
 
 def _job(out: Path) -> str:
-    from baft.train.launch import default_job_id
+    from baft.config import default_job_id
 
     return default_job_id(str(out))

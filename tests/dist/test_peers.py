@@ -30,7 +30,7 @@ def _trainer(rank: int, world: int, root: str) -> Any:
     torchrun's local-rank variables, which this harness does not set."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from baft.config import ModelConfig, ParallelConfig, TrainConfig
-    from baft.train.mesh import init_mesh
+    from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
 
     cfg = TrainConfig(
