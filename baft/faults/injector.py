@@ -3,7 +3,7 @@
 The engine calls :meth:`FaultInjector.fire` at each point of an iteration (``POINTS``) and
 sleeps :meth:`FaultInjector.slot_delay` seconds at every pipeline slot. A fault that fires
 is first appended to ``{run_dir}/faults.jsonl`` (one ``os.write`` on an ``O_APPEND`` fd,
-then fsync, so concurrent ranks never interleave), announced on stderr, then carried out:
+then fsync, so concurrent ranks never interleave), logged (``baft`` logger), then carried out:
 SIGKILL, deleting store directories, flipping a byte of a committed slot, hanging,
 freezing (SIGSTOP: the whole process, its heartbeat thread too).
 
@@ -13,10 +13,9 @@ earlier attempts (before torchrun restarted the worker group), and those never f
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +29,8 @@ from baft.faults.spec import (
 )
 from baft.store.shm import NUM_SLOTS, SnapshotStore
 from baft.topology import Topology
+
+log = logging.getLogger("baft")
 
 RECORDS_FILE = "faults.jsonl"
 """File under the run directory listing every fault that fired in this job."""
@@ -173,25 +174,25 @@ class FaultInjector:
             spec=spec.spec_id, rank=self.rank, time=self.clock(), iteration=iteration, point=point
         )
         append_record(self.run_dir, record)
-        print(
-            f"[baft] injecting {spec} at {point} (rank {self.rank}, iteration {iteration})",
-            file=sys.stderr,
-            flush=True,
+        log.info("injecting %s at %s (rank %d, iteration %d)", spec, point, self.rank, iteration)
+
+    def _store(self) -> SnapshotStore:
+        return SnapshotStore(
+            self.store_root, self.job_id, self.topology.node_of(self.rank), self.rank, 0
         )
 
     def _act(self, spec: FaultSpec) -> None:
-        job = self.store_root / self.job_id
-        node_dir = job / f"node{self.topology.node_of(self.rank)}"
+        node = self.topology.node_of(self.rank)
         if spec.kind == "kill":
             self.kill_self()
         elif spec.kind == "node":
-            shutil.rmtree(node_dir, ignore_errors=True)
+            SnapshotStore.remove_node(self.store_root, self.job_id, node)
             self.kill_self()
         elif spec.kind == "power":
-            shutil.rmtree(job, ignore_errors=True)
+            SnapshotStore.remove_job(self.store_root, self.job_id)
             self.kill_self()
         elif spec.kind == "delete":
-            shutil.rmtree(node_dir / f"rank{self.rank}", ignore_errors=True)
+            self._store().destroy()
         elif spec.kind == "corrupt":
             self._corrupt(spec)
         elif spec.kind == "hang":
@@ -203,23 +204,20 @@ class FaultInjector:
             raise AssertionError(f"cannot fire {spec.kind} at a point")
 
     def _corrupt(self, spec: FaultSpec) -> None:
-        store = SnapshotStore(
-            self.store_root, self.job_id, self.topology.node_of(self.rank), self.rank, 0
-        )
-        done = corrupt_committed(store, spec.target)
+        done = corrupt_committed(self._store(), spec.target)
         if done is None:
-            print(
-                f"[baft] {spec}: rank {self.rank} holds no committed {spec.target} bytes; "
-                "nothing was changed",
-                file=sys.stderr,
-                flush=True,
+            log.info(
+                "%s: rank %d holds no committed %s bytes; nothing was changed",
+                spec,
+                self.rank,
+                spec.target,
             )
 
 
-def corrupt_committed(store: SnapshotStore, target: str) -> tuple[Path, int] | None:
+def corrupt_committed(store: SnapshotStore, target: str) -> tuple[int, str, int] | None:
     """Flip (XOR 0xFF) one byte in the middle of the newest committed slot's ``target``
-    file (``data`` or ``redundancy``), inside a checksummed range; returns the file and
-    offset, or None when the store has no committed version or nothing to damage."""
+    (``data`` or ``redundancy``), inside a checksummed range; returns (slot, ``data`` or
+    ``red``, offset), or None when the store has no committed version or nothing to damage."""
     try:
         committed = store.committed_version()
     except (ValueError, OSError):
@@ -232,32 +230,15 @@ def corrupt_committed(store: SnapshotStore, target: str) -> tuple[Path, int] | N
         if manifest is None or manifest.version != committed:
             continue
         if target == "data":
-            path, start, nbytes = store.path / f"slot{slot}.data", 0, manifest.data_nbytes
+            kind, start, nbytes = "data", 0, manifest.data_nbytes
         else:
             regions = [r for r in manifest.regions if r.nbytes > 0]
             if not regions:
                 return None
             big = max(regions, key=lambda r: r.nbytes)
-            path, start, nbytes = store.path / f"slot{slot}.red", big.offset, big.nbytes
+            kind, start, nbytes = "red", big.offset, big.nbytes
         if nbytes <= 0:
             return None
         offset = start + nbytes // 2
-        return (path, offset) if _flip_byte(path, offset) else None
+        return (slot, kind, offset) if store.flip_byte(slot, kind, offset) else None
     return None
-
-
-def _flip_byte(path: Path, offset: int) -> bool:
-    """XOR the byte at ``offset`` with 0xFF in place; False if the file is missing or short."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        old = os.pread(fd, 1, offset)
-        if len(old) != 1:
-            return False
-        os.pwrite(fd, bytes([old[0] ^ 0xFF]), offset)
-        os.fsync(fd)
-        return True
-    finally:
-        os.close(fd)

@@ -21,24 +21,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
+import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from baft.config import TrainConfig
 from baft.engine.engine import CheckpointEngine
 from baft.engine.persister import list_versions, load_version, persist_name
+from baft.engine.transport import Handle, Transport
 from baft.engine.watchdog import read_hangs
-from baft.pipeline.mesh import Mesh
-from baft.pipeline.step import StepRunner
 from baft.recover.coordinator import RecoveryPlan, coordinate
-from baft.store.manifest import RankInventory
+from baft.store.coding import Redundancy
+from baft.store.manifest import RankInventory, checksum
+from baft.store.shm import SnapshotStore, StoreReadError
+from baft.topology import Topology
+
+log = logging.getLogger("baft")
 
 
 class RestoreError(RuntimeError):
@@ -67,86 +70,71 @@ class RecoveryReport:
                 f.write(json.dumps(self.record) + "\n")
             r = self.record
             secs = ", ".join(f"{k} {v:.3f}s" for k, v in r["seconds"].items())
-            print(
-                f"[baft] recovered v{r['restored_version']} from {r['source']} "
-                f"(lost {r['lost_iterations']} iteration(s)): {secs}",
-                flush=True,
+            log.info(
+                "recovered v%s from %s (lost %s iteration(s)): %s",
+                r["restored_version"],
+                r["source"],
+                r["lost_iterations"],
+                secs,
             )
 
 
+PROGRESS_FILE = "progress.json"
+"""The run's one progress record: the last iteration whose step finished (rank 0 writes it
+after every step through ``baft.protect``); a recovery counts the iterations it loses."""
+
+
+def write_progress(run_dir: Path, iteration: int) -> None:
+    """Record that ``iteration`` finished (atomically: a crash leaves the old record)."""
+    tmp = run_dir / (PROGRESS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"iteration": iteration}))
+    tmp.replace(run_dir / PROGRESS_FILE)
+
+
 def _completed_iterations(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    progress = run_dir / "progress.json"  # written by baft.api users' loops
-    if not path.exists() and progress.exists():
-        try:
-            return int(json.loads(progress.read_text())["iteration"]) + 1
-        except (json.JSONDecodeError, KeyError, ValueError):
-            return 0
-    if not path.exists():
+    """Iterations the run finished before this start (0 for a new run)."""
+    try:
+        return int(json.loads((run_dir / PROGRESS_FILE).read_text())["iteration"]) + 1
+    except (OSError, json.JSONDecodeError, KeyError, ValueError, TypeError):
         return 0
-    done = -1
-    for line in path.read_text().splitlines():
-        try:
-            done = max(done, int(json.loads(line)["iteration"]))
-        except (json.JSONDecodeError, KeyError):
-            continue
-    return done + 1
-
-
-def _make_injector(cfg: TrainConfig, mesh: Mesh) -> Any:
-    ck = cfg.checkpoint
-    assert ck is not None
-    if not ck.inject:
-        return None
-    from baft.faults.injector import FaultInjector
-    from baft.faults.spec import FaultSpec
-
-    injector = FaultInjector(
-        [FaultSpec.parse(s) for s in ck.inject],
-        run_dir=Path(cfg.out_dir),
-        rank=mesh.rank,
-        topology=mesh.topology,
-        store_root=Path(ck.store_root),
-        job_id=ck.job_id,
-    )
-    injector.load()
-    return injector
 
 
 def recover_and_start(
-    cfg: TrainConfig, mesh: Mesh, trainer: StepRunner, *, t_launch: float, t_rdzv: float
-) -> tuple[CheckpointEngine, int]:
-    """Build the engine, restore the newest recoverable version, return (engine, resume)."""
-    ck = cfg.checkpoint
-    assert ck is not None
-    run_dir = Path(cfg.out_dir)
+    engine: CheckpointEngine, run_dir: Path, *, t_launch: float, t_rdzv: float
+) -> tuple[int, RecoveryReport | None]:
+    """Restore the newest recoverable version into ``engine``'s state and start it.
+
+    Returns the iteration to resume from and the recovery's report (None on a fresh
+    job). Collective: every rank calls it once, right after building its engine.
+    """
+    ck = engine.ck
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    injector = _make_injector(cfg, mesh)
-    engine = CheckpointEngine(cfg, mesh, trainer, injector=injector)
+    injector = engine.injector
     t0 = time.time()
     persist_dir = ck.persist_dir
     persisted = (
         tuple(list_versions(persist_dir)) if persist_dir and Path(persist_dir).exists() else ()
     )
-    plan, reason, invs = _agree(engine, mesh, persisted)
+    plan, reason, invs = _agree(
+        engine.store, engine.transport, engine.topology, engine.redundancy, persisted
+    )
     t_inventory = time.time() - t0
-    engine.recovery = None
     if (
         plan.source == "fresh"
         and attempt == 0
         and all(i is None or not i.versions for i in invs.values())
     ):
         engine.start(0)
-        return engine, 0
+        return 0, None
     report = RecoveryReport(run_dir, attempt)
     if injector is not None:
         injector.fire("recovery", plan.version or 0)
     t1 = time.time()
     if plan.source == "memory":
-        shard = _rebuild_shard(engine, plan, invs)
+        shard = _rebuild_shard(engine.store, engine.transport, engine.rank, plan)
         t_transfer = time.time() - t1
         t2 = time.time()
-        _load_from_shards(engine, plan, invs, shard)
+        _load_from_shards(engine, plan, shard)
     elif plan.source == "disk":
         t_transfer = 0.0
         t2 = time.time()
@@ -175,16 +163,12 @@ def recover_and_start(
     report.phase("inventory", t_inventory)
     report.phase("transfer_decode", t_transfer)
     report.phase("load", t_load)
-    if mesh.rank == 0:
-        print(f"[baft] recovery: {reason}", flush=True)
-    _MAPS.clear()
-    engine.recovery = report
-    if plan.source == "memory":
-        engine.skip_version = plan.version
-        engine.committed = plan.version
-    engine.start(resume)
+    if engine.rank == 0:
+        log.info("recovery: %s", reason)
+    engine.store.drop_read_cache()
+    engine.start(resume, restored_version=plan.version if plan.source == "memory" else None)
     report.first_iteration_started()
-    return engine, resume
+    return resume, report
 
 
 def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: float) -> None:
@@ -206,7 +190,11 @@ def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: 
 
 
 def _agree(
-    engine: CheckpointEngine, mesh: Mesh, persisted: tuple[int, ...]
+    store: SnapshotStore,
+    transport: Transport,
+    topology: Topology,
+    redundancy: Redundancy,
+    persisted: tuple[int, ...],
 ) -> tuple[RecoveryPlan, str, dict[int, RankInventory | None]]:
     """Agree on a RecoveryPlan, checksumming only the bytes the plan will read.
 
@@ -215,18 +203,18 @@ def _agree(
     If all of that is clean the plan stands; otherwise round 2 verifies everything and
     plans again. A rank crash thus checks one shard per rank instead of both slots of
     data and redundancy (4x fewer bytes), and a bad byte still never gets through.
+    Collective over ``transport``: every rank calls it with its own store.
     """
-    store = engine.store
     exists = store.path.exists()
     light = store.inventory(verify=False) if exists else None
-    claimed = dict(enumerate(engine.transport.all_gather_object(_claim(light))))
-    plan, reason = coordinate(mesh.topology, engine.redundancy, claimed, persisted)
-    problems = _verify_reads(engine, plan) if plan.source == "memory" else []
-    if not any(engine.transport.all_gather_object(problems)):
+    claimed = dict(enumerate(transport.all_gather_object(_claim(light))))
+    plan, reason = coordinate(topology, redundancy, claimed, persisted)
+    problems = _verify_reads(store, transport.rank, plan) if plan.source == "memory" else []
+    if not any(transport.all_gather_object(problems)):
         return plan, reason, claimed
     full = store.inventory(verify=True) if exists else None
-    invs = dict(enumerate(engine.transport.all_gather_object(full)))
-    plan, reason = coordinate(mesh.topology, engine.redundancy, invs, persisted)
+    invs = dict(enumerate(transport.all_gather_object(full)))
+    plan, reason = coordinate(topology, redundancy, invs, persisted)
     return plan, reason, invs
 
 
@@ -243,11 +231,8 @@ def _claim(inv: RankInventory | None) -> RankInventory | None:
     return dataclasses.replace(inv, versions=versions)
 
 
-def _verify_reads(engine: CheckpointEngine, plan: RecoveryPlan) -> list[str]:
+def _verify_reads(store: SnapshotStore, rank: int, plan: RecoveryPlan) -> list[str]:
     """Checksum the store bytes this rank contributes to ``plan``; returns the problems."""
-    from baft.store.manifest import checksum
-
-    rank, path = engine.rank, engine.store.path
     data_slots: set[int] = set()
     region_ids: dict[int, set[int]] = {}
     src = plan.shards.get(rank)
@@ -260,80 +245,71 @@ def _verify_reads(engine: CheckpointEngine, plan: RecoveryPlan) -> list[str]:
             region_ids.setdefault(t.src_slot, set()).add(t.region_id)
     problems: list[str] = []
     for slot in sorted(data_slots | set(region_ids)):
-        m = engine.store.read_manifest(slot)
+        m = store.read_manifest(slot)
         if m is None or m.version != plan.version:
             problems.append(f"rank {rank} slot {slot}: v{plan.version} is not there")
             continue
-        if slot in data_slots:
-            data = _read_file(path / f"slot{slot}.data", 0, m.data_nbytes)
-            problems += [
-                f"rank {rank} v{m.version} chunk {c.chunk_id}: checksum mismatch"
-                for c in m.chunks
-                if checksum(data[c.offset : c.offset + c.nbytes]) != c.xxh3
-            ]
-        wanted = region_ids.get(slot, set())
-        if wanted:
-            red = _read_file(path / f"slot{slot}.red", 0, m.red_nbytes)
-            problems += [
-                f"rank {rank} v{m.version} region {r.region_id}: checksum mismatch"
-                for r in m.regions
-                if r.region_id in wanted and checksum(red[r.offset : r.offset + r.nbytes]) != r.xxh3
-            ]
+        try:
+            if slot in data_slots:
+                data = store.read(slot, "data", 0, m.data_nbytes)
+                problems += [
+                    f"rank {rank} v{m.version} chunk {c.chunk_id}: checksum mismatch"
+                    for c in m.chunks
+                    if checksum(data[c.offset : c.offset + c.nbytes]) != c.xxh3
+                ]
+            wanted = region_ids.get(slot, set())
+            if wanted:
+                red = store.read(slot, "red", 0, m.red_nbytes)
+                problems += [
+                    f"rank {rank} v{m.version} region {r.region_id}: checksum mismatch"
+                    for r in m.regions
+                    if r.region_id in wanted
+                    and checksum(red[r.offset : r.offset + r.nbytes]) != r.xxh3
+                ]
+        except StoreReadError as err:
+            problems.append(f"rank {rank} v{m.version}: {err}")
     return problems
 
 
-_MAPS: dict[Path, np.ndarray] = {}
-"""Store files mapped during one restore: verification and loading share one mapping."""
-
-
-def _read_file(path: Path, offset: int, nbytes: int) -> np.ndarray:
-    """Bytes of a store file from a private (copy-on-write) mapping: no copy.
-
-    The mapping is reused by every later read of the same file in this restore, so
-    verifying and loading fault the pages in once. (``MAP_POPULATE`` on a private
-    writable mapping copies every page: 4x slower here, so it is not used.)
-    """
-    if path not in _MAPS:
-        size = path.stat().st_size if path.exists() else 0
-        if size == 0:
-            _MAPS[path] = np.zeros(0, np.uint8)
-        else:
-            flags = mmap.MAP_PRIVATE
-            with open(path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _MAPS[path] = np.frombuffer(mm, dtype=np.uint8)
-    data = _MAPS[path]
-    if data.size < offset + nbytes:
-        raise RestoreError(f"{path}: expected {nbytes} bytes at {offset}, file has {data.size}")
-    return data[offset : offset + nbytes]
+def _read(store: SnapshotStore, slot: int, kind: str, offset: int, nbytes: int) -> np.ndarray:
+    try:
+        return store.read(slot, kind, offset, nbytes)
+    except StoreReadError as err:
+        raise RestoreError(str(err)) from err
 
 
 def _rebuild_shard(
-    engine: CheckpointEngine, plan: RecoveryPlan, invs: dict[int, RankInventory | None]
+    store: SnapshotStore, transport: Transport, rank: int, plan: RecoveryPlan
 ) -> np.ndarray:
-    """This rank's shard of ``plan.version``: local read, or peer pieces + decode."""
-    rank = engine.rank
-    path = engine.store.path
+    """This rank's shard of ``plan.version``: local read, or peer pieces + decode.
+
+    Collective over ``transport`` (tags = position in ``plan.transfers``). A peer that dies
+    mid-transfer makes the wait raise (the transport's timeout or its failure signal),
+    re-raised as a :class:`RestoreError` naming the transfer."""
     handles = []
     received: dict[int, np.ndarray] = {}
     for tag, t in enumerate(plan.transfers):
         if t.src_rank == rank:
             kind = "data" if t.kind == "shard" else "red"
-            buf = torch.from_numpy(
-                _read_file(path / f"slot{t.src_slot}.{kind}", t.offset, t.nbytes)
-            )
-            handles.append((engine.transport.isend(buf, t.dst_rank, tag), buf))
+            buf = torch.from_numpy(_read(store, t.src_slot, kind, t.offset, t.nbytes))
+            handles.append((transport.isend(buf, t.dst_rank, tag), t))
         if t.dst_rank == rank:
-            buf = torch.empty(t.nbytes, dtype=torch.uint8)
-            handles.append((engine.transport.irecv(buf, t.src_rank, tag), buf))
-            received[tag] = buf.numpy()
-    for h, _ in handles:
-        h.wait()
+            rbuf = torch.empty(t.nbytes, dtype=torch.uint8)
+            handles.append((transport.irecv(rbuf, t.src_rank, tag), t))
+            received[tag] = rbuf.numpy()
+    for h, t in handles:
+        try:
+            h.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised with the transfer named
+            raise RestoreError(
+                f"rank {rank}: {t.kind} transfer of v{plan.version} rank {t.src_rank} -> "
+                f"rank {t.dst_rank} ({t.nbytes} B) failed: {e}"
+            ) from e
     source = plan.shards[rank]
     n = plan.shard_nbytes[rank]
     if source.kind == "local":
         assert source.slot is not None
-        return _read_file(path / f"slot{source.slot}.data", 0, n)
+        return _read(store, source.slot, "data", 0, n)
     if source.kind == "replica":  # a peer's replica region holds the whole shard
         (rid,) = source.region_ids[:1]
         tag = next(
@@ -360,21 +336,60 @@ def _rebuild_shard(
             full[t.offset : t.offset + t.nbytes] = received[tag]
         else:
             region = decode.layout.region(t.region_id)
-            rbuf = regions.setdefault(t.region_id, np.zeros(region.nbytes, np.uint8))
+            part = regions.setdefault(t.region_id, np.zeros(region.nbytes, np.uint8))
             start = t.offset - region.offset
-            rbuf[start : start + t.nbytes] = received[tag]
+            part[start : start + t.nbytes] = received[tag]
     try:
         return decode.layout.rebuild(rank, shards, regions, recipe=decode.recipe)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise RestoreError(f"rank {rank}: cannot rebuild shard of v{plan.version}: {e}") from e
 
 
-def _load_from_shards(
-    engine: CheckpointEngine,
+def _exchange_replicas(
+    transport: Transport,
+    topology: Topology,
+    rank: int,
     plan: RecoveryPlan,
-    invs: dict[int, RankInventory | None],
     shard: np.ndarray,
-) -> None:
+    write: Callable[[int, torch.Tensor], None],
+) -> int:
+    """Hand every DP replica's shard to the others, point to point on ``transport``, and
+    ``write(position, bytes)`` each (own one included) at its place in the full flat state;
+    returns the bytes written. Owned ranges are contiguous in dp order. Tags follow the
+    plan's transfers, so they never meet a piece of the rebuild."""
+    replicas = topology.replicas(rank)
+    base = len(plan.transfers)
+    mine = torch.from_numpy(shard)
+    sends = [
+        (transport.isend(mine, peer, base + replicas.index(rank)), peer)
+        for peer in replicas
+        if peer != rank
+    ]
+    pos = 0
+    for i, r in enumerate(replicas):
+        n = plan.shard_nbytes[r]
+        if r == rank:
+            piece = mine
+        else:
+            piece = torch.empty(n, dtype=torch.uint8)
+            _wait(transport.irecv(piece, r, base + i), rank, f"shard of rank {r}", plan)
+        write(pos, piece)
+        pos += n
+    for h, peer in sends:
+        _wait(h, rank, f"shard to rank {peer}", plan)
+    return pos
+
+
+def _wait(handle: Handle, rank: int, what: str, plan: RecoveryPlan) -> None:
+    try:
+        handle.wait()
+    except Exception as e:  # noqa: BLE001 - re-raised with the message named
+        raise RestoreError(
+            f"rank {rank}: DP exchange ({what}) of v{plan.version} failed: {e}"
+        ) from e
+
+
+def _load_from_shards(engine: CheckpointEngine, plan: RecoveryPlan, shard: np.ndarray) -> None:
     """Assemble the full flat state from the DP replicas' shards and load it."""
     replicas = engine.topology.replicas(engine.rank)
     total = sum(plan.shard_nbytes[r] for r in replicas)
@@ -383,17 +398,10 @@ def _load_from_shards(
             f"rank {engine.rank}: shards of v{plan.version} cover {total} bytes, "
             f"state has {engine.flat.nbytes}"
         )
-    pos = 0
-    with torch.no_grad():
-        for r in replicas:  # owned ranges are contiguous in dp order
-            n = plan.shard_nbytes[r]
-            piece = (
-                torch.from_numpy(shard) if r == engine.rank else torch.empty(n, dtype=torch.uint8)
-            )
-            if len(replicas) > 1:
-                dist.broadcast(piece, r, group=engine.mesh.dp_group)
-            engine.flat.write_from(pos, piece)  # straight into the live tensors
-            pos += n
+    with torch.no_grad():  # straight into the live tensors
+        _exchange_replicas(
+            engine.transport, engine.topology, engine.rank, plan, shard, engine.flat.write_from
+        )
     engine.apply_rng()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from baft.store.shm import NUM_SLOTS, PROGRESS_FILE
+from baft.store.shm import NUM_SLOTS, PROGRESS_FILE, slot_file_name
 
 
 class PeerStore:
@@ -68,7 +68,7 @@ class PeerStore:
 
     def data(self, slot: int) -> np.ndarray | None:
         """The sender's shard file of ``slot`` (read-only), or None if it has none."""
-        return self._mapped(f"slot{slot}.data")
+        return self._mapped(slot_file_name(slot, "data"))
 
     def close(self) -> None:
         self._maps.clear()

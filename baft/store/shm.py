@@ -2,7 +2,7 @@
 
 Layout: ``{root}/{job_id}/node{node}/rank{rank}/`` holding two version slots
 (``slot{s}.data`` = the rank's shard, ``slot{s}.red`` = its redundancy area,
-``slot{s}.json`` = the slot's manifest), ``commit.json`` (newest globally committed
+``slot{s}.json`` = the slot's manifest; these names are spelled only in this package), ``commit.json`` (newest globally committed
 version) and ``progress`` (which version the rank is writing into which slot and how many
 of its shard bytes are final: what a same-host peer reads before pulling them, see
 :mod:`baft.store.peer`). Files are preallocated, pre-faulted and memory-mapped; the engine writes
@@ -12,6 +12,11 @@ Version protocol (crash-safe at every point, manifests replaced atomically):
 ``begin(v)`` picks the slot not holding the committed version and marks it ``writing``;
 the engine fills it; ``complete(slot, manifest)`` records checksums; ``commit(v)``
 moves the commit record. A SIGKILL anywhere leaves the last committed version intact.
+
+Reading (restore, ``baft inspect``, fault injection) goes through the store too:
+``read(slot, kind, offset, nbytes)`` returns a zero-copy view from the store's own read
+cache (one private mapping per file, see ``read``), released by ``drop_read_cache`` or
+``close``. Nothing outside this package opens a slot file.
 """
 
 from __future__ import annotations
@@ -44,12 +49,39 @@ MANIFEST_RESERVE_BYTES = 3 * 64 * 1024
 NUM_SLOTS = 2
 PROGRESS_FILE = "progress"
 """Four int64: version being written, its slot, shard bytes final so far, a change count."""
-_KINDS = ("data", "red")
+KINDS = ("data", "red")
+"""The two files of a slot: the shard (``data``) and its redundancy area (``red``)."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class MemoryBudgetError(ValueError):
     """The store would need more host memory than allowed or available."""
+
+
+class StoreReadError(ValueError):
+    """A read asked for bytes the store's file does not hold (absent or too short)."""
+
+
+def slot_file_name(slot: int, kind: str) -> str:
+    """File name of a slot's ``data``/``red`` file or (``kind="json"``) its manifest."""
+    if kind not in (*KINDS, "json"):
+        raise ValueError(f"kind must be one of data, red, json; got {kind!r}")
+    return f"slot{slot}.{kind}"
+
+
+def job_path(root: Path, job_id: str) -> Path:
+    """Directory of a job's stores under ``root``."""
+    return Path(root) / job_id
+
+
+def node_path(root: Path, job_id: str, node: int) -> Path:
+    """Directory of one node's stores of a job."""
+    return job_path(root, job_id) / f"node{node}"
+
+
+def rank_path(root: Path, job_id: str, node: int, rank: int) -> Path:
+    """Directory of one rank's store."""
+    return node_path(root, job_id, node) / f"rank{rank}"
 
 
 def _round_page(n: int) -> int:
@@ -85,8 +117,10 @@ class SnapshotStore:
         self.node = node
         self.rank = rank
         self.budget_bytes = budget_bytes
-        self.path = self.root / job_id / f"node{node}" / f"rank{rank}"
+        self.path = rank_path(self.root, job_id, node, rank)
         self._maps: dict[tuple[int, str], mmap.mmap | None] = {}
+        self._reads: dict[tuple[int, str], tuple[tuple[int, int], np.ndarray]] = {}
+        """Read cache: (slot, kind) -> ((inode, size) mapped, private view); see ``read``."""
         self._views: dict[tuple[int, str], np.ndarray] = {}
         self._sizes: tuple[int, int] | None = None
         self._progress: np.ndarray | None = None
@@ -129,7 +163,7 @@ class SnapshotStore:
                 f"are free under {self.root}; free memory there (old jobs: "
                 "SnapshotStore.cleanup_stale) or lower the snapshot size"
             )
-        self.close()
+        self.close()  # also drops read mappings: files may be truncated below
         for slot in range(NUM_SLOTS):
             for kind, n in sizes.items():
                 self._map_rw(slot, kind, n)
@@ -170,10 +204,10 @@ class SnapshotStore:
             os.chmod(p, 0o700)
 
     def _file(self, slot: int, kind: str) -> Path:
-        return self.path / f"slot{slot}.{kind}"
+        return self.path / slot_file_name(slot, kind)
 
     def _manifest_file(self, slot: int) -> Path:
-        return self.path / f"slot{slot}.json"
+        return self.path / slot_file_name(slot, "json")
 
     def _map_rw(self, slot: int, kind: str, nbytes: int) -> None:
         path = self._file(slot, kind)
@@ -220,8 +254,87 @@ class SnapshotStore:
             return 0
         return sum(p.stat().st_blocks * 512 for p in self.path.iterdir() if p.is_file())
 
+    # ------------------------------------------------------------------ reading
+    def read(self, slot: int, kind: str, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """Bytes ``[offset, offset + nbytes)`` of the slot's ``data`` or ``red`` file
+        (``nbytes=None``: to the end), zero copy; ``StoreReadError`` if the file is absent
+        or shorter.
+
+        Every file is mapped once into the store's read cache and later reads of it
+        (verifying, then sending or loading the same bytes) reuse that mapping, so its pages
+        are faulted in once. The mapping is private (copy-on-write) and writable: callers
+        may wrap the view with ``torch.from_numpy`` (which wants a writable array) and even
+        scribble on it without touching the store. No ``MAP_POPULATE``: on a private
+        writable mapping it copies every page, measured 4x slower than faulting on demand.
+        A file that was re-created or resized since it was mapped is mapped again. Views
+        stay valid until ``drop_read_cache`` / ``close`` / ``allocate``.
+        """
+        if slot not in range(NUM_SLOTS) or kind not in KINDS:
+            raise ValueError(f"slot must be 0 or 1 and kind data or red, got {slot}, {kind!r}")
+        if offset < 0 or (nbytes is not None and nbytes < 0):
+            raise ValueError(f"offset and nbytes must be >= 0, got {offset}, {nbytes}")
+        view = self._read_map(slot, kind)
+        size = -1 if view is None else view.size
+        stop = size if nbytes is None else offset + nbytes
+        if view is None or stop > size or offset > size:
+            raise StoreReadError(
+                f"rank {self.rank} store: slot {slot} {kind} file has {size} B, "
+                f"read needs [{offset}, {stop})" + (" (file absent)" if view is None else "")
+            )
+        return view[offset:stop]
+
+    def _read_map(self, slot: int, kind: str) -> np.ndarray | None:
+        path = self._file(slot, kind)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._reads.pop((slot, kind), None)
+            return None
+        key = (st.st_ino, st.st_size)
+        cached = self._reads.get((slot, kind))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if st.st_size == 0:
+            view = np.zeros(0, np.uint8)
+        else:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(
+                    f.fileno(),
+                    st.st_size,
+                    flags=mmap.MAP_PRIVATE,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                )
+            view = np.frombuffer(mm, np.uint8)
+        self._reads[(slot, kind)] = (key, view)
+        return view
+
+    def drop_read_cache(self) -> None:
+        """Release the read mappings (views handed out keep theirs alive until dropped)."""
+        self._reads.clear()
+
+    def flip_byte(self, slot: int, kind: str, offset: int) -> bool:
+        """Fault injection: XOR the byte at ``offset`` of the slot's file with 0xFF in the
+        file itself (every mapping sees it) and fsync; False if the file is absent or
+        shorter."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be data or red, got {kind!r}")
+        try:
+            fd = os.open(self._file(slot, kind), os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            old = os.pread(fd, 1, offset)
+            if len(old) != 1:
+                return False
+            os.pwrite(fd, bytes([old[0] ^ 0xFF]), offset)
+            os.fsync(fd)
+            return True
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
-        """Drop this process's mappings (files and contents stay)."""
+        """Drop this process's mappings, read cache included (files and contents stay)."""
+        self.drop_read_cache()
         self._views.clear()
         self._progress = None
         if self._progress_map is not None:
@@ -364,7 +477,7 @@ class SnapshotStore:
     ) -> np.ndarray | None:
         view: np.ndarray | None = self._views.get((slot, kind))
         if view is None:
-            view = _map_readonly(self._file(slot, kind))
+            view = self._read_map(slot, kind)
         if view is None or view.size < nbytes:
             size = -1 if view is None else view.size
             problems.append(f"{where}: {kind} file has {size} B, manifest needs {nbytes} B")
@@ -407,6 +520,16 @@ class SnapshotStore:
         """Remove this rank's store directory (simulates losing the node)."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    @staticmethod
+    def remove_node(root: Path, job_id: str, node: int) -> None:
+        """Remove every rank store of one node of a job (simulates losing the node)."""
+        shutil.rmtree(node_path(root, job_id, node), ignore_errors=True)
+
+    @staticmethod
+    def remove_job(root: Path, job_id: str) -> None:
+        """Remove every store of a job (simulates losing all host memory)."""
+        shutil.rmtree(job_path(root, job_id), ignore_errors=True)
 
     @staticmethod
     def cleanup_stale(root: Path, keep_job_id: str) -> list[Path]:
@@ -473,15 +596,3 @@ def _load_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{path}: not a baft record of format {FORMAT}")
     return obj
-
-
-def _map_readonly(path: Path) -> np.ndarray | None:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return np.zeros(0, np.uint8)
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError:
-        return None
-    return np.frombuffer(mm, np.uint8)

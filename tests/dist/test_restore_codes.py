@@ -83,7 +83,6 @@ def _write_version(ctx: Any, version: int, shard: bytes, *, finish: bool = True)
 def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from baft.recover import runtime
     from baft.recover.runtime import _agree, _rebuild_shard
     from baft.store.coding import Redundancy, group_layouts
     from baft.store.shm import SnapshotStore
@@ -107,11 +106,10 @@ def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
         slot = next(s for s in (0, 1) if (m := store.read_manifest(s)) and m.version == 2)
         store.data_view(slot)[17] ^= 0x80
     dist.barrier()
-    engine = SimpleNamespace(rank=rank, store=store, transport=transport, redundancy=red)
-    plan, reason, _ = _agree(engine, SimpleNamespace(topology=topo), ())  # type: ignore[arg-type]
-    shard = _rebuild_shard(engine, plan, {})  # type: ignore[arg-type]
+    plan, reason, _ = _agree(store, transport, topo, red, ())
+    shard = _rebuild_shard(store, transport, rank, plan)
     sha = hashlib.sha256(shard.tobytes()).hexdigest()
-    runtime._MAPS.clear()  # what recover_and_start does once a restore is done
+    store.drop_read_cache()  # what recover_and_start does once a restore is done
     dist.barrier()
     return {
         "version": plan.version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def test_constructor_does_no_io_and_validates(tmp_path: Path):
         make(tmp_path, [], rank=0).fire("lunch", 1)
 
 
-def test_kill_fires_on_its_rank_point_and_iteration_only(tmp_path: Path, capsys):
+def test_kill_fires_on_its_rank_point_and_iteration_only(tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger="baft")
     recs = {r: Recorder() for r in range(4)}
     injs = {r: make(tmp_path, ["kill:rank=1,iter=7"], r, recs[r]) for r in range(4)}
     for it in range(10):
@@ -95,8 +97,9 @@ def test_kill_fires_on_its_rank_point_and_iteration_only(tmp_path: Path, capsys)
     assert read_records(tmp_path / "run") == (
         FaultRecord(spec="kill:rank=1,iter=7", rank=1, time=1001.0, iteration=7, point="step"),
     )
-    err = capsys.readouterr().err
-    assert err == "[baft] injecting kill:rank=1,iter=7 at step (rank 1, iteration 7)\n"
+    assert [r.getMessage() for r in caplog.records] == [
+        "injecting kill:rank=1,iter=7 at step (rank 1, iteration 7)"
+    ]
 
 
 def test_fire_is_idempotent_and_fires_once_across_restart(tmp_path: Path):
@@ -292,14 +295,15 @@ def test_corrupt_flips_one_byte_of_newest_committed_slot(
     store.close()
 
 
-def test_corrupt_without_committed_version_changes_nothing(tmp_path: Path, capsys):
+def test_corrupt_without_committed_version_changes_nothing(tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger="baft")
     store = SnapshotStore(tmp_path / "shm", JOB, 0, 0, 1 << 20)
     store.allocate(1000, 400)
     _write(store, 1, 0x11, commit=False)
     before = _snapshot(store)
     make(tmp_path, ["corrupt:rank=0,iter=1"], 0).fire("step", 1)
     assert _snapshot(store) == before
-    assert "holds no committed data bytes; nothing was changed" in capsys.readouterr().err
+    assert "holds no committed data bytes; nothing was changed" in caplog.text
     assert corrupt_committed(SnapshotStore(tmp_path / "none", JOB, 0, 0, 0), "data") is None
     store.close()
 
@@ -332,10 +336,12 @@ def test_concurrent_appends_stay_whole_lines(tmp_path: Path):
 def test_kill_really_sigkills_the_process_and_leaves_the_record(tmp_path: Path):
     script = textwrap.dedent(
         f"""
+        import logging
         import sys
         from pathlib import Path
         from baft.faults import FaultInjector, FaultSpec
         from baft.topology import Topology
+        logging.basicConfig(level=logging.INFO, format="[baft] %(message)s")
         inj = FaultInjector(
             [FaultSpec.parse("kill:rank=1,iter=7")], run_dir=Path({str(tmp_path)!r}), rank=1,
             topology=Topology(num_dp=2), store_root=Path({str(tmp_path)!r}), job_id="job",
