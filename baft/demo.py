@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -40,47 +39,31 @@ def _read(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return metrics, json.loads((out / "summary.json").read_text())
 
 
-def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "demo",
-        help="train, fail, recover from memory, verify bit-exactness (4 CPU ranks, ~2 min)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--out", default="runs/demo", help="directory for both runs (default %(default)s)"
-    )
-    p.add_argument(
-        "--iterations", type=int, default=30, help="iterations per run (default %(default)s)"
-    )
-    p.add_argument(
-        "--kill-at", type=int, default=8, help="iteration of the rank crash (default %(default)s)"
-    )
-    p.add_argument(
-        "--node-loss-at",
-        type=int,
-        default=18,
-        help="iteration of the node loss (default %(default)s)",
-    )
-    p.set_defaults(func=run_demo)
-    return p
+def run_demo(
+    out: str | Path, *, iterations: int = 30, kill_at: int = 8, node_loss_at: int = 18
+) -> int:
+    """Run the demo in ``out`` (a reference and a protected run); 0 when it verifies.
 
-
-def run_demo(a: argparse.Namespace) -> int:
+    ``kill_at`` is the iteration of the rank crash, ``node_loss_at`` that of the node loss;
+    raises ``ValueError`` unless ``3 < kill_at < node_loss_at < iterations``.
+    """
+    if not 3 < kill_at < node_loss_at < iterations:
+        raise ValueError(
+            f"need 3 < kill_at ({kill_at}) < node_loss_at ({node_loss_at}) "
+            f"< iterations ({iterations})"
+        )
     console = Console()
-    out = Path(a.out)
-    if not 3 < a.kill_at < a.node_loss_at < a.iterations:
-        raise ValueError("need 3 < --kill-at < --node-loss-at < --iterations")
+    out = Path(out)
     console.rule("[bold]1/3 failure-free reference run (no checkpoints)")
-    ref_cfg = _config(out / "reference", a.iterations, None)
+    ref_cfg = _config(out / "reference", iterations, None)
     if launch(ref_cfg) != 0:
         console.print("[red]reference run failed")
         return 1
-    inject = [f"kill:rank=1,iter={a.kill_at},at=snapshot", f"node:1,iter={a.node_loss_at}"]
+    inject = [f"kill:rank=1,iter={kill_at},at=snapshot", f"node:1,iter={node_loss_at}"]
     console.rule("[bold]2/3 protected run: checkpoint every iteration, crash a rank, lose a node")
     console.print(f"injecting: {', '.join(inject)}")
     ck = CheckpointConfig(redundancy="xor:2", persist_every=10, inject=inject, timeout_s=30.0)
-    ft_cfg = _config(out / "protected", a.iterations, ck)
+    ft_cfg = _config(out / "protected", iterations, ck)
     if launch(ft_cfg) != 0:
         console.print("[red]protected run failed")
         return 1
@@ -140,14 +123,10 @@ def _report(
     console.print(rt)
     try:
         from baft.profile.timeline import read_timelines
-        from baft.profile.trace import chrome_trace, timeline_png
+        from baft.profile.trace import write_trace
 
-        records = read_timelines(out / "protected")
-        png = timeline_png(records, out / "protected" / "timeline.png")
-        (out / "protected" / "trace.json").write_text(json.dumps(chrome_trace(records)))
-        console.print(
-            f"timeline picture: {png}\nPerfetto trace: {out / 'protected' / 'trace.json'}"
-        )
+        trace, png = write_trace(read_timelines(out / "protected"), out / "protected")
+        console.print(f"timeline picture: {png}\nPerfetto trace: {trace}")
     except Exception as e:  # noqa: BLE001 - the picture is a bonus, not the verdict
         console.print(f"[yellow]timeline picture skipped: {e}")
     ok = same_losses and same_state and len(ft_s.get("recoveries", [])) == 2

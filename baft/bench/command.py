@@ -1,23 +1,18 @@
-"""``baft bench``: the command line of the benchmarks.
+"""``baft bench overhead`` behind its flags: launch, summarize, write the results page.
 
-``overhead`` lives here; ``recovery`` and ``scale`` are registered from
-``baft.bench.recovery`` / ``baft.bench.scale`` when those modules exist (else they answer
-"not yet").
-
-``baft bench overhead`` launches one torchrun job (see :mod:`baft.bench.overhead`), reads
-its raw results, prints a table (or one JSON object with ``--json``) and writes
-``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG next to it.
+``measure_overhead`` launches one torchrun job (see :mod:`baft.bench.overhead`) and
+summarizes its raw results; ``write_results`` writes
+``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG and the raw
+samples next to it. The flags, the table and the JSON on stdout live in
+``baft.cli.bench``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
-import importlib
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -25,121 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from baft.bench.overhead import (
-    ALL_MODES,
     ENGINE_MODES,
     RAW_FILE,
     OverheadConfig,
     engine_job_id,
     summarize,
 )
-
-DEFAULT_RESULTS_DIR = "benchmarks/results"
-"""Where result pages go, relative to the working directory."""
-_NOT_YET = ("recovery", "scale")
-
-
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``baft bench {overhead,recovery,scale}``."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="benchmarks: checkpoint overhead side by side, recovery memory vs disk, simulated scale",
-        description="Rerunnable benchmarks whose results go to benchmarks/results/.",
-    )
-    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
-    d = OverheadConfig()
-    p = sub.add_parser(
-        "overhead",
-        help="iteration time of each checkpointing mode vs none, in one launch",
-        description="Train the reference GPT once per rank and interleave blocks of "
-        "iterations across checkpointing modes (none, torch-save, dcp-async, checkfreq, "
-        "naive-async, baft), each checkpointing every iteration.",
-    )
-    add = p.add_argument
-    add("--pp", type=int, default=d.num_pp, help="pipeline ranks (default %(default)s)")
-    add("--dp", type=int, default=d.num_dp, help="data-parallel replicas (default %(default)s)")
-    add("--schedule", default=d.schedule, help="pipeline schedule (default %(default)s)")
-    add("--microbatches", type=int, default=d.num_microbatches, help="(default %(default)s)")
-    add("--layers", type=int, default=d.num_layers, help="transformer blocks (default %(default)s)")
-    add("--d-model", type=int, default=d.d_model, help="hidden size (default %(default)s)")
-    add("--heads", type=int, default=d.num_heads, help="attention heads (default %(default)s)")
-    add("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
-    add("--batch", type=int, default=d.global_batch, help="global batch (default %(default)s)")
-    add("--blocks", type=int, default=d.num_blocks, help="blocks per mode (default %(default)s)")
-    add("--block-iters", type=int, default=d.block_iters, help="iterations per block (default %(default)s)")  # fmt: skip
-    add("--switch-iters", type=int, default=d.num_switch_iters, help="unmeasured iterations after each switch (default %(default)s)")  # fmt: skip
-    add("--warmup", type=int, default=d.num_warmup, help="unmeasured iterations at the start and per mode (default %(default)s)")  # fmt: skip
-    add("--modes", default=None, help="comma-separated modes (default: all; lm-resiliency and dlrover-flash need pip install -e '.[peers]' and are left out when missing)")  # fmt: skip
-    add("--compute", choices=("real", "emulated"), default=d.compute, help="stage compute (default %(default)s)")  # fmt: skip
-    add("--emulated-ms", default="", metavar="F/B,...", help="fixed emulated forward/backward ms per stage, e.g. 15.7/29.4,15.2/28.4 (default: calibrate at start-up)")  # fmt: skip
-    add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip
-    add("--checkpoint", default=d.checkpoint, metavar="SPEC", help="policy of the engine modes naive-async and baft (default %(default)s)")  # fmt: skip
-    add("--store-root", default=d.store_root, help="shared-memory root of the engine stores (default %(default)s)")  # fmt: skip
-    add("--seed", type=int, default=d.seed, help="(default %(default)s)")
-    add("--out", default=d.out_dir, help="run directory and checkpoint files (default %(default)s)")  # fmt: skip
-    add("--results-dir", default=DEFAULT_RESULTS_DIR, help="where the results page goes (default %(default)s)")  # fmt: skip
-    add("--no-results", action="store_true", help="do not write the results page and plot")
-    add("--json", action="store_true", help="print one JSON object instead of a table")
-    add("--timeout", type=float, default=1800.0, help="kill the job after this many seconds")
-    for name in _NOT_YET:
-        _add_other(sub, name)
-    parser.set_defaults(func=run_bench)
-    return parser
-
-
-def _add_other(sub: Any, name: str) -> None:
-    """Register ``baft bench <name>`` from ``baft.bench.<name>.add_<name>_parser`` (which
-    sets its own ``func``), or as a "not yet" command while that module does not exist."""
-    try:
-        module = importlib.import_module(f"baft.bench.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"baft.bench.{name}":
-            raise
-        sub.add_parser(name, help=f"{name} benchmark (not yet implemented)")
-        return
-    getattr(module, f"add_{name}_parser")(sub)
-
-
-def config_from_args(a: argparse.Namespace) -> OverheadConfig:
-    cfg = OverheadConfig(
-        num_pp=a.pp,
-        num_dp=a.dp,
-        schedule=a.schedule,
-        num_microbatches=a.microbatches,
-        num_layers=a.layers,
-        d_model=a.d_model,
-        num_heads=a.heads,
-        seq_len=a.seq_len,
-        global_batch=a.batch,
-        num_blocks=a.blocks,
-        block_iters=a.block_iters,
-        num_switch_iters=a.switch_iters,
-        num_warmup=a.warmup,
-        modes=_modes(a),
-        compute=a.compute,
-        emulated_ms=getattr(a, "emulated_ms", ""),
-        out_dir=a.out,
-        seed=a.seed,
-        ranks_per_node=a.ranks_per_node,
-        checkpoint=a.checkpoint,
-        store_root=a.store_root,
-    )
-    cfg.validate()
-    return cfg
-
-
-def _modes(a: argparse.Namespace) -> list[str]:
-    """``--modes`` as a list. Named peer modes whose library is missing raise ValueError
-    with the install command; the default (all) leaves them out with a note."""
-    from baft.bench.peers import INSTALL_HINT, missing_peers
-
-    modes = [m.strip() for m in (a.modes or ",".join(ALL_MODES)).split(",") if m.strip()]
-    missing = missing_peers(modes)
-    if missing and a.modes is not None:
-        raise ValueError(f"--modes names {', '.join(missing)}, not installed: {INSTALL_HINT}")
-    if missing:
-        print(f"[bench] note: leaving out {', '.join(missing)} (not installed: {INSTALL_HINT})", file=sys.stderr)  # fmt: skip
-    a.modes = ",".join(m for m in modes if m not in missing)  # command_line() shows what ran
-    return [m for m in modes if m not in missing]
 
 
 def engine_import_error() -> str | None:
@@ -224,36 +110,6 @@ def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
         raise RuntimeError(f"benchmark workers failed (exit code {rc}); see the log above")
     raw: dict[str, Any] = json.loads((out / RAW_FILE).read_text())
     return raw
-
-
-def command_line(a: argparse.Namespace) -> str:
-    """The ``baft bench overhead`` command with every flag spelled out (reproducible)."""
-    flags = [
-        ("--pp", a.pp), ("--dp", a.dp), ("--schedule", a.schedule),
-        ("--microbatches", a.microbatches), ("--layers", a.layers), ("--d-model", a.d_model),
-        ("--heads", a.heads), ("--seq-len", a.seq_len), ("--batch", a.batch),
-        ("--blocks", a.blocks), ("--block-iters", a.block_iters),
-        ("--switch-iters", a.switch_iters), ("--warmup", a.warmup), ("--modes", a.modes),
-        ("--compute", a.compute), ("--emulated-ms", getattr(a, "emulated_ms", "") or None),
-        ("--ranks-per-node", a.ranks_per_node),
-        ("--checkpoint", a.checkpoint), ("--seed", a.seed), ("--out", a.out),
-    ]  # fmt: skip
-    words = ["baft", "bench", "overhead"] + [
-        w for f, v in flags if v is not None for w in (f, str(v))
-    ]
-    return shlex.join(words + (["--json"] if a.json else []))
-
-
-def _print_table(result: dict[str, Any]) -> None:
-    print(f"sync_snapshot_fraction: {result['sync_snapshot_fraction']:.3f} ({result['compute']})")
-    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
-    for name, m in result["modes"].items():
-        frac = m["in_bubble_fraction"]
-        print(
-            f"{name:<12} {m['median_iter_s'] * 1e3:9.1f} {m['ratio_vs_none']:7.3f} "
-            f"{m['exposed_s'] * 1e3:11.1f} {'-' if frac is None else f'{frac:.2f}':>10} "
-            f"{m['bytes_per_iter'] / 2**20:9.1f}"
-        )
 
 
 def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
@@ -442,8 +298,13 @@ def write_results(
     return path
 
 
-def run_overhead(a: argparse.Namespace) -> int:
-    cfg = config_from_args(a)
+def measure_overhead(cfg: OverheadConfig, *, timeout_s: float) -> tuple[dict, dict]:
+    """Run the benchmark of ``cfg`` in one torchrun job; returns ``(summary, raw)``.
+
+    Engine modes are left out (with a note on stderr, and under ``skipped`` in the raw
+    results) when ``baft.engine.engine`` cannot be imported. Raises ``RuntimeError`` when
+    the job fails or runs past ``timeout_s``.
+    """
     engine_modes = [m for m in cfg.modes if m in ENGINE_MODES]
     why = engine_import_error() if engine_modes else None
     if why is not None:
@@ -457,34 +318,10 @@ def run_overhead(a: argparse.Namespace) -> int:
         flush=True,
     )
     load_before = os.getloadavg()[0]
-    raw = _launch(cfg, a.timeout)
+    raw = _launch(cfg, timeout_s)
     if why is not None:
         raw.setdefault("skipped", {}).update({m: f"import failed: {why}" for m in engine_modes})
     machine = machine_info()
     machine["load_before"] = round(load_before, 2)
     machine["load_after"] = round(os.getloadavg()[0], 2)
-    result = summarize(raw, machine)
-    if not a.no_results:
-        path = write_results(result, raw, Path(a.results_dir), command_line(a))
-        print(f"[bench] wrote {path}", file=sys.stderr)
-    if a.json:
-        print(json.dumps(result))
-    else:
-        _print_table(result)
-    return 0
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    """Run ``baft bench <what>``; returns the exit code."""
-    what = getattr(args, "bench_command", None)
-    if what == "overhead":
-        try:
-            return run_overhead(args)
-        except RuntimeError as exc:
-            print(f"baft bench: error: {exc}", file=sys.stderr)
-            return 1
-    if what is not None:  # registered by _add_other while its module does not exist
-        print(f"baft bench {what}: not yet implemented (only `baft bench overhead` exists)", file=sys.stderr)  # fmt: skip
-        return 2
-    print("baft bench: choose a benchmark: overhead (recovery, scale: not yet)", file=sys.stderr)
-    return 2
+    return summarize(raw, machine), raw

@@ -5,20 +5,19 @@ layout and calibrated cost model) in ``RUN_DIR/plan_input.json``. This re-plans 
 (the planner is deterministic: it is the plan the run executed), prints the BubbleMap and
 plan tables, checks the run's timelines for every snapshot task (inside a measured
 bubble, or explicitly spilled before the step) and draws the tasks on the timeline.
+``baft.cli.plan`` prints the result.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from baft.plan.cost import CostModel
 from baft.plan.inputs import PLAN_INPUT_FILE, bmap_from_json, layout_from_json
 from baft.plan.planner import plan as make_plan
-from baft.plan.render import bubble_table, plan_table, plan_to_dict
-from baft.plan.types import CheckpointPolicy
+from baft.plan.types import BubbleMap, CheckpointPlan, CheckpointPolicy
 from baft.profile.timeline import read_timelines
 from baft.profile.trace import timeline_png
 
@@ -36,8 +35,26 @@ def task_placement(run_dir: Path) -> dict[int, dict[str, int]]:
     return out
 
 
-def run_plan_from_run(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run)
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """The plan a checkpointed run executed, and where its snapshot tasks ran."""
+
+    plan: CheckpointPlan
+    """Re-planned from the run's saved planner inputs (the planner is deterministic)."""
+    bubbles: dict[int, BubbleMap]
+    """Every rank's measured BubbleMap."""
+    placement: dict[int, dict[str, int]]
+    """Per rank, snapshot tasks ``in_bubble`` vs ``spilled`` (see ``task_placement``)."""
+    png: Path
+    """Timeline picture of the executed tasks (``RUN_DIR/plan.png``)."""
+
+
+def plan_from_run(run_dir: Path) -> RunPlan:
+    """Re-plan ``run_dir`` from its ``plan_input.json``, count task placement, draw plan.png.
+
+    Raises ``ValueError`` when the run saved no planner inputs.
+    """
+    run_dir = Path(run_dir)
     path = run_dir / PLAN_INPUT_FILE
     if not path.exists():
         raise ValueError(
@@ -61,18 +78,4 @@ def run_plan_from_run(args: argparse.Namespace) -> int:
     png = timeline_png(
         read_timelines(run_dir), run_dir / "plan.png", title="executed checkpoint tasks"
     )
-    if args.json:
-        out: dict[str, Any] = {"plan": plan_to_dict(plan), "placement": placement, "png": str(png)}
-        print(json.dumps(out))
-        return 0
-    print(bubble_table(bubbles))
-    print()
-    print(plan_table(plan, bubbles))
-    print()
-    for rank, c in sorted(placement.items()):
-        print(
-            f"rank {rank}: {c['in_bubble']} snapshot tasks ran inside measured bubbles, "
-            f"{c['spilled']} were spilled to the pre-step window (exposed)"
-        )
-    print(f"timeline with the executed tasks: {png}")
-    return 0
+    return RunPlan(plan=plan, bubbles=bubbles, placement=placement, png=png)

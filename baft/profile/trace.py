@@ -1,4 +1,4 @@
-"""Trace export: timelines -> Chrome/Perfetto JSON and a per-rank PNG; ``baft trace``.
+"""Trace export: timelines -> Chrome/Perfetto JSON and a per-rank PNG (``baft trace``).
 
 The JSON uses the Chrome trace event format ("X" complete events, microseconds) and
 loads in https://ui.perfetto.dev and chrome://tracing: one process, and per rank one
@@ -10,15 +10,13 @@ bubble, red when exposed), with the time axis in milliseconds.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from baft.profile.bubbles import blocked_fraction
-from baft.profile.timeline import Event, IterationRecord, read_timelines
+from baft.profile.timeline import Event, IterationRecord
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,7 +32,6 @@ _COLOR = {
     "ckpt": "#55A868",
     "exposed": "#C44E52",
 }
-_MAX_ITER = sys.maxsize
 
 
 def event_label(event: Event) -> str:
@@ -279,82 +276,14 @@ def timeline_png(
     return out
 
 
-def parse_iterations(text: str) -> tuple[int, int]:
-    """Parse "A:B" (inclusive), "A:", ":B" or "A" into ``(first, last)``."""
-    try:
-        if ":" not in text:
-            return int(text), int(text)
-        first, last = text.split(":", 1)
-        rng = (int(first) if first else 0, int(last) if last else _MAX_ITER)
-    except ValueError:
-        raise ValueError(
-            f"--iterations {text!r}: use A:B (inclusive), A:, :B or A, e.g. 5:8"
-        ) from None
-    if rng[0] > rng[1]:
-        raise ValueError(f"--iterations {text!r}: first {rng[0]} is after last {rng[1]}")
-    return rng
-
-
-def add_trace_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Register ``baft trace RUN_DIR [--iterations A:B] [--out DIR]``."""
-    parser = subparsers.add_parser(
-        "trace",
-        help="timeline of a run as Perfetto JSON and a PNG",
-        description="Write RUN_DIR/trace.json (open in ui.perfetto.dev or chrome://tracing) "
-        "and RUN_DIR/timeline.png from RUN_DIR/timeline/rank*.jsonl.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="directory of a run (holds timeline/)")
-    parser.add_argument(
-        "--iterations",
-        metavar="A:B",
-        default=None,
-        help="only iterations A..B, inclusive (default: all in the JSON, the last 3 in the PNG)",
-    )
-    parser.add_argument(
-        "--out", metavar="DIR", default=None, help="output directory (default: RUN_DIR)"
-    )
-    parser.set_defaults(func=run_trace)
-    return parser
-
-
-def run_trace(args: argparse.Namespace) -> int:
-    """Run ``baft trace``: write trace.json and timeline.png, print their paths; 0 on success."""
-    run_dir = Path(args.run_dir)
-    try:
-        records = read_timelines(run_dir)
-        rng = parse_iterations(args.iterations) if args.iterations else None
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"baft trace: error: {exc}", file=sys.stderr)
-        return 2
-    chosen = select_range(records, rng)
-    if not chosen:
-        have = sorted({r.iteration for recs in records.values() for r in recs})
-        span = f"{have[0]}..{have[-1]}" if have else "none"
-        print(
-            f"baft trace: error: no iterations in {args.iterations}; the run has {span}",
-            file=sys.stderr,
-        )
-        return 2
-    out_dir = Path(args.out) if args.out else run_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "trace.json"
+def write_trace(
+    records: Records, out_dir: str | Path, iterations: tuple[int, int] | None = None
+) -> tuple[Path, Path]:
+    """Write ``out_dir/trace.json`` (every given record) and ``out_dir/timeline.png``
+    (iterations ``first..last``, default the last three); returns both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "trace.json"
     with json_path.open("w", encoding="utf-8") as f:
-        json.dump(chrome_trace(chosen), f)
-    png_path = timeline_png(chosen, out_dir / "timeline.png", rng)
-    print(f"trace (ui.perfetto.dev): {json_path}")
-    print(f"timeline picture:        {png_path}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m baft.profile.trace RUN_DIR ...`` without the full CLI."""
-    parser = argparse.ArgumentParser(prog="baft")
-    add_trace_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["trace", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        json.dump(chrome_trace(records), f)
+    return json_path, timeline_png(records, out / "timeline.png", iterations)

@@ -6,94 +6,26 @@ into the bubbles, replayed on the simulator), ``naive-async`` (the same copies a
 start right after the step and run alongside compute) and ``sync`` (training stops for the
 D2H copy and the write to storage, at the Young/Daly interval). All numbers come from
 the stated assumptions, printed with the results. ``plan`` shows the bubble map and where
-each task lands. The arithmetic lives in ``evaluate``; the shell only parses and prints.
+each task lands. The arithmetic lives here (``evaluate``, ``planned``); the flags, the
+rendering and the printing live in ``baft.cli.simulate`` and ``baft.cli.plan``.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import math
-import sys
 from typing import Any
 
 from baft.plan.cost import CostModel
 from baft.plan.planner import owned_ranges
 from baft.plan.planner import plan as make_plan
-from baft.plan.render import bubble_table, bubbles_to_dict, plan_table, plan_to_dict
-from baft.plan.types import CheckpointPlan, CheckpointPolicy, TaskKind
-from baft.sim.presets import HARDWARE, MODELS, Scenario, build_scenario, layouts
-from baft.sim.schedules import SCHEDULES
+from baft.plan.types import CheckpointPlan, CheckpointPolicy
+from baft.sim.presets import Scenario, layouts
 from baft.sim.simulator import Background, SimResult, simulate
 
-__all__ = ["add_plan_parser", "add_simulate_parser", "evaluate", "run_plan", "run_simulate"]
+__all__ = ["TASK_OVERHEAD_S", "evaluate", "planned"]
 
 TASK_OVERHEAD_S = 50e-6
 """Per-task cost on a GPU (launch + event) assumed by the cost model."""
-
-
-def _add_scenario_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="llama2-34b", choices=sorted(MODELS), help="model")
-    p.add_argument("--gpus", type=int, default=512, help="total GPUs (default 512)")
-    p.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
-    p.add_argument("--dp", type=int, help="data-parallel degree (default: gpus / (pp*tp))")
-    p.add_argument("--pp", type=int, help="pipeline stages (default: the preset's)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default: the preset's)")
-    p.add_argument("--microbatches", type=int, help="per iteration (default: from the batch)")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    p.add_argument("--virtual", type=int, default=2, help="stages per rank (interleaved)")
-    p.add_argument("--mfu", type=float, help="share of peak inside a stage (default: per GPU)")
-    p.add_argument("--redundancy", default="xor:2", help="none | replicate:k | xor:g | rs:k+m")
-    p.add_argument("--every", type=int, default=1, help="target checkpoint interval")
-    p.add_argument("--overflow", default="spill", choices=("spill", "stretch"))
-    p.add_argument("--storage-gbps", type=float, default=0.5, help="storage GB/s per GPU")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``simulate`` on an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "simulate", help="what-if: checkpoint overhead of baft vs naive async vs sync"
-    )
-    _add_scenario_args(p)
-    p.add_argument(
-        "--mtbf-hours", type=float, default=6.0, help="job-wide mean time between failures"
-    )
-    p.add_argument("--restart-s", type=float, default=60.0, help="restart + rendezvous seconds")
-    p.set_defaults(func=run_simulate)
-    return p
-
-
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``plan`` (simulator source) on an argparse subparsers object."""
-    p = subparsers.add_parser("plan", help="show the bubble map and the checkpoint plan")
-    p.add_argument(
-        "--run",
-        metavar="RUN_DIR",
-        help="plan of a real checkpointed run (its measured bubbles) instead of a preset",
-    )
-    _add_scenario_args(p)
-    p.add_argument("--ranks", help="comma-separated global ranks to show (default: dp=0,tp=0)")
-    p.set_defaults(func=run_plan)
-    return p
-
-
-def _scenario(args: argparse.Namespace) -> Scenario:
-    return build_scenario(
-        args.preset,
-        args.hardware,
-        args.gpus,
-        dp=args.dp,
-        pp=args.pp,
-        tp=args.tp,
-        num_microbatches=args.microbatches,
-        micro_batch_size=args.micro_batch_size,
-        schedule=args.schedule,
-        num_virtual=args.virtual if args.schedule == "interleaved-1f1b" else 1,
-        mfu=args.mfu,
-    )
 
 
 def _cost(scn: Scenario, storage_Bps: float) -> CostModel:
@@ -212,7 +144,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """All numbers of ``baft simulate`` as one JSON-ready dict (pure)."""
     if mtbf_s <= 0 or storage_Bps <= 0 or restart_s < 0:
-        raise ValueError("--mtbf-hours and --storage-gbps must be > 0, --restart-s >= 0")
+        raise ValueError(
+            f"mtbf_s={mtbf_s} and storage_Bps={storage_Bps} must be > 0, restart_s={restart_s} >= 0"
+        )
     hw = scn.hardware
     base, bubbles, plan, transfers = planned(scn, policy, storage_Bps)
     it = base.base_iteration_s
@@ -311,128 +245,3 @@ def _assumptions(
         "memory in the background; not counted",
         "encode": "parity XOR on the receiving host, off the GPU timeline; not counted",
     }
-
-
-def _policy(args: argparse.Namespace) -> CheckpointPolicy:
-    return CheckpointPolicy(every=args.every, redundancy=args.redundancy, on_overflow=args.overflow)
-
-
-def _fail(err: ValueError) -> int:
-    print(f"error: {err}", file=sys.stderr)
-    return 2
-
-
-def run_simulate(args: argparse.Namespace) -> int:
-    """Entry point of ``baft simulate``; returns the exit code."""
-    try:
-        scn = _scenario(args)
-        result = evaluate(
-            scn,
-            _policy(args),
-            mtbf_s=args.mtbf_hours * 3600.0,
-            storage_Bps=args.storage_gbps * 1e9,
-            restart_s=args.restart_s,
-        )
-    except ValueError as err:
-        return _fail(err)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(render_result(result))
-    return 0
-
-
-def render_result(result: dict[str, Any]) -> str:
-    """Human-readable report of ``evaluate``'s dict (a rich table when rich is present)."""
-    lay, ck = result["layout"], result["checkpoint"]
-    head = (
-        f"{result['preset']} on {result['gpus']} x {result['hardware']}: dp={lay['dp']} "
-        f"pp={lay['pp']} tp={lay['tp']}, {lay['schedule']}, {lay['microbatches']} microbatches; "
-        f"iteration {result['iteration_s']:.3f} s, bubbles {result['bubble_fraction']:.1%}\n"
-        f"per GPU: state {ck['state_bytes_per_gpu'] / 1e9:.2f} GB, snapshot shard "
-        f"{ck['snapshot_bytes_per_gpu'] / 1e9:.3f} GB ({ck['snapshot_s'] * 1e3:.1f} ms D2H), "
-        f"redundancy send {ck['send_bytes_per_gpu'] / 1e9:.3f} GB ({ck['send_s'] * 1e3:.1f} ms), "
-        f"least idle {ck['min_idle_s_per_gpu'] * 1e3:.1f} ms/iteration"
-    )
-    cols = ("mode", "exposed ms/iter", "exposed %", "every", "lost s/failure", "goodput loss")
-    rows = [
-        (
-            name,
-            f"{m['exposed_s'] * 1e3:.3f}",
-            f"{m['exposed_fraction']:.3%}",
-            str(m["interval_iters"]),
-            f"{m['expected_lost_s']:.1f}",
-            f"{m['goodput_loss_fraction']:.3%}",
-        )
-        for name, m in result["modes"].items()
-    ]
-    assumptions = "\n".join(f"  {k}: {v}" for k, v in result["assumptions"].items())
-    tail = f"\nbaft plan: {result['modes']['baft']['reason']}\nassumptions:\n{assumptions}"
-    if result["notes"]:
-        tail += "\nnotes:\n" + "\n".join(f"  {n}" for n in result["notes"])
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover - rich is a dependency
-        widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(cols)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-        return head + "\n" + "\n".join(lines) + tail
-    table = Table(*cols)
-    for row in rows:
-        table.add_row(*row)
-    buf = io.StringIO()
-    Console(file=buf, width=120, force_terminal=False).print(table)
-    return head + "\n" + buf.getvalue().rstrip("\n") + tail
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    """Entry point of ``baft plan``: a real run's profile (``--run``) or a simulator preset."""
-    if getattr(args, "run", None):
-        from baft.profile.planrun import run_plan_from_run
-
-        try:
-            return run_plan_from_run(args)
-        except ValueError as err:
-            return _fail(err)
-    try:
-        scn = _scenario(args)
-        policy = _policy(args)
-        _, bubbles, plan, _ = planned(scn, policy, args.storage_gbps * 1e9)
-        topo = scn.topology
-        if args.ranks:
-            ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-            bad = [r for r in ranks if r not in plan.ranks]
-            if bad:
-                raise ValueError(f"--ranks {bad} outside 0..{topo.world_size - 1}")
-        else:
-            ranks = [topo.rank_of(pp, 0, 0) for pp in range(topo.num_pp)]
-    except ValueError as err:
-        return _fail(err)
-    if args.json:
-        shown = set(ranks)
-        out = plan_to_dict(plan)
-        out["ranks"] = {k: v for k, v in out["ranks"].items() if int(k) in shown}
-        print(
-            json.dumps(
-                {
-                    "bubble_maps": bubbles_to_dict({r: bubbles[r] for r in sorted(shown)}),
-                    "plan": out,
-                }
-            )
-        )
-        return 0
-    print(bubble_table(bubbles, ranks))
-    print()
-    print(plan_table(plan, bubbles, ranks))
-    print()
-    print(plan.reason)
-    snaps = sum(
-        t.nbytes
-        for rp in plan.ranks.values()
-        for ts in rp.tasks.values()
-        for t in ts
-        if t.kind is TaskKind.SNAPSHOT
-    )
-    print(f"\n{snaps / 1e9:.2f} GB of snapshot copies planned inside bubbles across all ranks")
-    return 0

@@ -8,15 +8,9 @@ from typing import Any
 
 import pytest
 
-from baft.bench.command import (
-    _add_other,
-    add_bench_parser,
-    command_line,
-    config_from_args,
-    render_markdown,
-    run_bench,
-)
+from baft.bench.command import render_markdown
 from baft.bench.overhead import OverheadConfig, summarize, summarize_mode
+from baft.cli.bench import add_bench_parser, command_line, config_from_args, run_bench
 
 
 def _samples(iter_s: list[list[float]], **other: list[list[float]]) -> dict[str, Any]:
@@ -149,19 +143,17 @@ def test_bad_flags_raise_value_error_with_the_fix(flags: list[str], message: str
         config_from_args(_parse("overhead", *flags))
 
 
-def test_missing_benchmark_module_registers_a_not_yet_command(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    parser = argparse.ArgumentParser(prog="baft")
-    sub = parser.add_subparsers(dest="bench_command")
-    _add_other(sub, "nosuch")
-    assert run_bench(parser.parse_args(["nosuch"])) == 2
-    assert "not yet implemented" in capsys.readouterr().err
+def test_recovery_and_scale_register_their_own_commands() -> None:
+    from baft.bench.recovery import run_recovery
+    from baft.bench.scale import run_scale
+
+    assert _parse("recovery").func is run_recovery
+    assert _parse("scale", "--json").func is run_scale
 
 
 def test_bench_without_a_benchmark_says_which_exist(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(_parse()) == 2
-    assert "overhead" in capsys.readouterr().err
+    assert "overhead, recovery, scale" in capsys.readouterr().err
 
 
 def test_total_iterations_counts_warmup_switches_and_profiling() -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import baft.bench.peers as peers
-from baft.bench.command import add_bench_parser, config_from_args, render_markdown
+from baft.bench.command import render_markdown
 from baft.bench.overhead import ALL_MODES, OverheadConfig, summarize
+from baft.cli.bench import add_bench_parser, config_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:

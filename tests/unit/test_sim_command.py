@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from baft.cli.plan import add_plan_parser
+from baft.cli.simulate import add_simulate_parser
 from baft.plan.types import CheckpointPolicy
-from baft.sim.command import add_plan_parser, add_simulate_parser, evaluate
+from baft.sim.command import evaluate
 from baft.sim.presets import build_scenario
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from baft.cli.inspect import add_inspect_parser
+from baft.recover.inspect import inspect_job, inspect_stores
 from baft.store.coding import Redundancy
-from baft.store.inspect import add_inspect_parser
+from baft.store.inspect import newest_manifest, rank_report, read_inventories, stores_by_job
 from baft.topology import Topology
 from tests.unit.test_store_support import (
     open_stores,
@@ -85,3 +87,17 @@ def test_inspect_not_a_store(tmp_path: Path, capsys):
     assert "is not a baft snapshot store; expected a store root" in capsys.readouterr().out
     assert _run([str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().out
+
+
+def test_store_side_and_recovery_side_split(store_root: Path):
+    """The store lists and inventories (no coordinator); recover.inspect assesses."""
+    jobs = stores_by_job(store_root)
+    assert list(jobs) == ["job"] and sorted(a.rank for a in jobs["job"]) == [0, 2, 3]
+    invs = read_inventories(jobs["job"])
+    manifest = newest_manifest(invs)
+    assert manifest is not None and manifest.version == 2 and manifest.redundancy == "rs:2+2"
+    assert [v["version"] for v in rank_report(invs[0])["versions"]] == [3, 2]
+    (report,) = inspect_stores(store_root)
+    assert report == inspect_job(jobs["job"])
+    assert report["committed"] == 2 and report["recovery"]["version"] == 2
+    assert inspect_stores(store_root / "nope") == []

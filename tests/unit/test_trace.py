@@ -8,16 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from baft.cli.trace import add_trace_parser, parse_iterations, run_trace
 from baft.profile.timeline import Event, IterationRecord, write_timelines
-from baft.profile.trace import (
-    add_trace_parser,
-    chrome_trace,
-    event_label,
-    parse_iterations,
-    run_trace,
-    select_range,
-    timeline_png,
-)
+from baft.profile.trace import chrome_trace, event_label, select_range, timeline_png
 
 
 def pipeline_records(num_iterations: int = 4, num_mb: int = 4) -> dict[int, list[IterationRecord]]:

@@ -1,12 +1,27 @@
-"""``baft`` command line: train | demo | plan | simulate | bench | inspect | trace."""
+"""``baft train``: the reference GPT on dp*pp*tp local processes via torchrun.
+
+Flags map one to one onto ``TrainConfig`` (``config_from_args``); the fault-tolerance
+flags onto its ``CheckpointConfig``. Defaults come from the config types.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
+from typing import Any
 
 from baft.config import SCHEDULES, CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+
+
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``train`` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "train",
+        help="train the reference GPT with torchrun on CPU/gloo (or CUDA/NCCL)",
+        description="Train the reference GPT on dp*pp*tp local processes via torchrun.",
+    )
+    _add_train_flags(p)
+    p.set_defaults(func=run_train)
+    return p
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -140,6 +155,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """The validated ``TrainConfig`` of parsed ``train`` flags (``ValueError`` with the fix)."""
     cfg = TrainConfig(
         model=ModelConfig(
             num_layers=a.layers, d_model=a.d_model, num_heads=a.heads, seq_len=a.seq_len
@@ -179,7 +195,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def _run_train(a: argparse.Namespace) -> int:
+def run_train(a: argparse.Namespace) -> int:
+    """Run ``baft train``; returns torchrun's exit code."""
     from baft.train.launch import launch
 
     cfg = config_from_args(a)
@@ -192,54 +209,3 @@ def _run_train(a: argparse.Namespace) -> int:
     if rc == 0:
         print(f"[baft] done: {cfg.out_dir}/summary.json", flush=True)
     return rc
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="baft",
-        description="Bubble-aware fault tolerance for hybrid-parallel PyTorch training.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser(
-        "train",
-        help="train the reference GPT with torchrun on CPU/gloo (or CUDA/NCCL)",
-        description="Train the reference GPT on dp*pp*tp local processes via torchrun.",
-    )
-    _add_train_flags(p)
-    p.set_defaults(func=_run_train)
-    from baft.bench.command import add_bench_parser
-    from baft.demo import add_demo_parser
-    from baft.profile.trace import add_trace_parser
-    from baft.store.inspect import add_inspect_parser
-
-    add_demo_parser(sub)
-    try:
-        from baft.sim.command import add_plan_parser, add_simulate_parser
-
-        add_plan_parser(sub)
-        add_simulate_parser(sub)
-    except ImportError:  # pragma: no cover - simulator not installed yet
-        pass
-    add_bench_parser(sub)
-    add_inspect_parser(sub)
-    add_trace_parser(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args))
-    except ValueError as e:
-        print(f"baft: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
