@@ -6,8 +6,10 @@ receives and parity encoding) into real snapshot stores, a third left in flight;
 some nodes lose their stores (a replacement starts empty) or a byte of a shard flips;
 then :func:`baft.recover.runtime._agree` (inventories, checksums, the coordinator) and
 :func:`baft.recover.runtime._rebuild_shard` (peer transfers, replica copy, decode) run as
-they do at start-up. Every rank's rebuilt shard must equal what it wrote, and each
-shard's source must be the expected one.
+they do at start-up, then the DP replicas exchange their shards point to point
+(:func:`baft.recover.runtime._exchange_replicas`). Every rank's rebuilt shard must equal
+what it wrote, every rank must end with all four shards, and each shard's source must be
+the expected one.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def _write_version(ctx: Any, version: int, shard: bytes, *, finish: bool = True)
 
 
 def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
 
-    from baft.recover.runtime import _agree, _rebuild_shard
+    from baft.recover.runtime import _agree, _exchange_replicas, _rebuild_shard
     from baft.store.coding import Redundancy, group_layouts
     from baft.store.shm import SnapshotStore
     from baft.topology import Topology
@@ -109,6 +112,12 @@ def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
     plan, reason, _ = _agree(store, transport, topo, red, ())
     shard = _rebuild_shard(store, transport, rank, plan)
     sha = hashlib.sha256(shard.tobytes()).hexdigest()
+    full = bytearray(sum(plan.shard_nbytes.values()))  # the 4 dp replicas' shards in order
+
+    def write(pos: int, piece: torch.Tensor) -> None:
+        full[pos : pos + piece.numel()] = piece.numpy().tobytes()
+
+    _exchange_replicas(transport, topo, rank, plan, shard, write)
     store.drop_read_cache()  # what recover_and_start does once a restore is done
     dist.barrier()
     return {
@@ -117,6 +126,7 @@ def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
         "kinds": {r: s.kind for r, s in plan.shards.items()},
         "reason": reason,
         "sha": sha,
+        "full_sha": hashlib.sha256(bytes(full)).hexdigest(),
         "nbytes": int(shard.size),
     }
 
@@ -146,5 +156,7 @@ def test_every_code_restores_through_the_runtime(gloo, tmp_path: Path) -> None:
             assert out["kinds"] == expected, (name, out["reason"])
             assert out["nbytes"] == len(want[rank]), name
             assert out["sha"] == hashlib.sha256(want[rank]).hexdigest(), (name, rank)
+            full = b"".join(want[r] for r in range(4))  # after the DP exchange (gloo p2p)
+            assert out["full_sha"] == hashlib.sha256(full).hexdigest(), (name, rank)
         if flip is not None:
             assert f"rank {flip} (shard failed its checksum)" in got[0][name]["reason"]
