@@ -31,6 +31,9 @@ __all__ = ["REPLAY_SAFE", "StepRecord", "record_step", "replay", "replay_safe"]
 
 log = logging.getLogger("baft")
 
+_SCALER_ATTRS = ("grad_scale", "found_inf")
+"""Attributes ``torch.amp.GradScaler.step`` sets on a fused optimizer for one step."""
+
 REPLAY_SAFE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -68,16 +71,16 @@ class StepRecord:
     groups: list[dict[str, Any]]
     """Every param group's entries except ``"params"`` (lr, betas, weight_decay,
     foreach, ...) as plain Python values or tensors, in ``optimizer.param_groups`` order."""
-    step_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments ``optimizer.step`` was called with (e.g. ``grad_scale`` and
-    ``found_inf`` that ``torch.amp.GradScaler`` passes to fused optimizers); usually none."""
+    scaler: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``grad_scale`` and ``found_inf`` when ``torch.amp.GradScaler`` set them on the
+    optimizer for this step (fused optimizers unscale inside the step and skip it on inf,
+    so ``grads`` are then still scaled); empty otherwise."""
 
 
 def record_step(
     optimizer: torch.optim.Optimizer,
     names: Mapping[torch.nn.Parameter, str] | Mapping[torch.Tensor, str],
     step: int,
-    step_kwargs: Mapping[str, Any] | None = None,
     *,
     clone: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> StepRecord:
@@ -86,7 +89,11 @@ def record_step(
     ``names`` maps each param to its name. ``clone`` copies a grad (default:
     ``Tensor.clone``); the engine passes its own copy (into a spare or pinned buffer)
     or an identity when it captures by reference and copies later. Hyperparameter tensors
-    are cloned so that a later in-place change cannot alter the record.
+    are cloned so that a later in-place change cannot alter the record. Register the hook
+    last: pre-hooks that run after it and change grads or hyperparameters are not seen.
+    An iteration whose ``optimizer.step()`` never ran (``GradScaler`` found an inf with a
+    non-fused optimizer) needs an empty record, ``StepRecord(step, {}, groups)``: its
+    replay steps nothing, as the original iteration did.
     """
     copy = clone or torch.Tensor.clone
     grads: dict[str, torch.Tensor] = {}
@@ -95,8 +102,12 @@ def record_step(
             if p.grad is not None:
                 grads[names[p]] = copy(p.grad.detach())
     groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    kwargs = {k: _plain(v) for k, v in (step_kwargs or {}).items()}
-    return StepRecord(step=step, grads=grads, groups=groups, step_kwargs=kwargs)
+    scaler = {
+        k: getattr(optimizer, k).detach().clone()
+        for k in _SCALER_ATTRS
+        if isinstance(getattr(optimizer, k, None), torch.Tensor)
+    }
+    return StepRecord(step=step, grads=grads, groups=groups, scaler=scaler)
 
 
 def _plain(value: Any) -> Any:
@@ -167,7 +178,8 @@ def replay(
     restores the hyperparameters of version ``v`` itself (from the optimizer's
     ``param_groups`` saved with version ``v``; the scheduler sets them after step
     ``v - 1``, so no record holds them). Each param's ``.grad`` is put back to the tensor
-    (or ``None``) it held on entry. Raises ``ValueError`` (nothing stepped) when the
+    (or ``None``) it held on entry, and GradScaler's attributes (``grad_scale``,
+    ``found_inf``) to what they were. Raises ``ValueError`` (nothing stepped) when the
     optimizer is not replay-safe, names or steps do not line up, or a recorded grad does
     not match its param's shape or dtype.
     """
@@ -178,6 +190,7 @@ def replay(
     step_fn = _unhooked_step(optimizer)
     saved_grads = {name: p.grad for name, p in params.items()}
     saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    saved_scaler = {k: getattr(optimizer, k) for k in _SCALER_ATTRS if hasattr(optimizer, k)}
     spare: dict[str, torch.Tensor] = {}  # one grad buffer per param, reused every step
     try:
         for rec in records:
@@ -193,8 +206,9 @@ def replay(
                 p.grad = buf
             for group, hyper in zip(optimizer.param_groups, rec.groups, strict=True):
                 _set_entries(group, hyper)
+            _set_scaler(optimizer, rec.scaler)
             with torch.no_grad():
-                step_fn(optimizer, **rec.step_kwargs)
+                step_fn(optimizer)
         log.debug(
             "replayed %d optimizer steps (%s) onto %d params from %d base versions",
             len(records),
@@ -207,6 +221,15 @@ def replay(
             _set_entries(group, hyper)
         for name, p in params.items():
             p.grad = saved_grads[name]
+        _set_scaler(optimizer, saved_scaler)
+
+
+def _set_scaler(optimizer: torch.optim.Optimizer, attrs: Mapping[str, Any]) -> None:
+    for key in _SCALER_ATTRS:
+        if key in attrs:
+            setattr(optimizer, key, attrs[key])
+        elif hasattr(optimizer, key):
+            delattr(optimizer, key)
 
 
 def _set_entries(group: dict[str, Any], entries: Mapping[str, Any]) -> None:

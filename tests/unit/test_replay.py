@@ -12,6 +12,7 @@ state (``step`` included) and param-group entries must equal the uninterrupted r
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -143,7 +144,7 @@ def _entries(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 class Run:
     """The uninterrupted run: records, and full copies + param-group entries per version."""
 
-    def __init__(self, factory: Factory, side_parity: int = 1) -> None:
+    def __init__(self, factory: Factory, side_parity: int = 1, amp: str = "") -> None:
         torch.manual_seed(0)
         self.model = Net(side_parity)
         self.names = {p: n for n, p in self.model.named_parameters()}
@@ -157,6 +158,9 @@ class Run:
         )
         self.copies: list[dict[str, Copy]] = []  # version -> name -> full copy
         self.entries: list[list[dict[str, Any]]] = []  # version -> param-group entries
+        # amp="scaled": GradScaler, grads reach a fused step still scaled (it unscales);
+        # amp="unscaled": unscale_ + clip first, a step with an inf is skipped entirely
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
         data = torch.Generator().manual_seed(1)
         for step in range(N_STEPS):
             self._version()
@@ -164,10 +168,22 @@ class Run:
             y = torch.randn(8, 3, generator=data)
             self.opt.zero_grad(set_to_none=True)
             loss = 50.0 * nn.functional.mse_loss(self.model(x, step), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=0.5)
-            self.opt.step()
-            sched.step()
+            if not amp:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=0.5)
+                self.opt.step()
+            else:
+                scaler.scale(loss * (float("inf") if step == 3 else 1.0)).backward()
+                if amp == "unscaled":
+                    scaler.unscale_(self.opt)
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=0.5)
+                scaler.step(self.opt)
+                scaler.update()
+                if len(self.records) == step:  # the step never ran: an empty record
+                    self.records.append(StepRecord(step, {}, _entries(self.opt)))
+            with warnings.catch_warnings():  # OneCycleLR warns after a skipped step
+                warnings.simplefilter("ignore")
+                sched.step()
         self._version()
 
     def _version(self) -> None:
@@ -352,3 +368,27 @@ def test_replay_safe_names_what_it_cannot_prove() -> None:
     assert "differentiable" in (replay_safe(torch.optim.Adam([p], differentiable=True)) or "")
     with pytest.raises(ValueError, match="cannot replay LBFGS"):
         replay(torch.optim.LBFGS([p]), {"p": p}, {"p": 0}, [])
+
+
+@pytest.mark.parametrize(
+    ("case", "amp"),
+    [
+        ("adam-fused", "scaled"),
+        ("adamw-fused", "unscaled"),
+        ("adam", "unscaled"),
+        ("sgd-momentum-foreach", "unscaled"),
+    ],
+)
+def test_replay_under_grad_scaler_with_an_inf_step(case: str, amp: str) -> None:
+    factory = CASES[case]
+    run = Run(factory, amp=amp)
+    assert len(run.records) == N_STEPS
+    if case.endswith("fused"):  # the fused step ran, unscaling itself and skipping on inf
+        assert [float(r.scaler["found_inf"]) for r in run.records] == [0, 0, 0, 1, 0, 0, 0]
+        assert ("grad_scale" in run.records[0].scaler) == (amp == "scaled")
+    else:  # the step never ran at the inf: the empty record stands for it
+        assert run.records[3].grads == {} and run.records[3].scaler == {}
+    for v in range(N_STEPS + 1):
+        model, opt = _rebuild(run, factory, v)
+        _assert_same(run.model, run.opt, run.copies[v], model, opt)
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
