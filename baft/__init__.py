@@ -6,7 +6,11 @@ command line trains, demonstrates, plans, simulates, benchmarks, inspects and tr
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+T_IMPORT = time.time()
+"""When this process imported baft: about its start (recoveries time their restart to it)."""
 
 __all__ = ["CheckpointConfig", "protect"]
 

@@ -12,6 +12,9 @@ torchrun and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and ``--max-restarts N``: 
 crash every process restarts and ``restore`` brings back the newest version it can
 rebuild. Your data must be a pure function of the iteration (or restored by you from it),
 which is what makes the resumed trajectory bit-identical.
+
+This is the one door to the engine: the reference trainer (``baft train``) goes through
+it too. It wires restore -> engine once and keeps the run's one progress record.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
-from baft.config import CheckpointConfig, TrainConfig, default_job_id
+import baft
+from baft.config import CheckpointConfig, default_job_id
 from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
-from baft.pipeline.step import StepRunner, check_optimizer
+from baft.pipeline.step import StepResult, StepRunner, check_optimizer
 from baft.topology import Topology
 
 
@@ -58,22 +62,33 @@ class Protected:
     def __init__(
         self,
         runner: StepRunner,
-        cfg: TrainConfig,
         mesh: Mesh,
+        run_dir: str,
+        checkpoint: CheckpointConfig | None,
         watchdog: Watchdog | NoWatchdog | None = None,
+        engine_cls: Any = None,
     ) -> None:
         self.runner = runner
-        self.cfg = cfg
         self.mesh = mesh
+        self.run_dir = Path(run_dir)
+        self.checkpoint = checkpoint
+        """None: the same loop without checkpoints (a baseline)."""
         self.watchdog = watchdog or NoWatchdog()
         """Heartbeat and hang detection (see :mod:`baft.engine.watchdog`)."""
         self.engine: Any = None
-        self._t_launch = time.time()
-        self._reported = False
+        self.last_step: StepResult | None = None
+        """The last step's result (loss, timeline of slots, compute and checkpoint work)."""
+        self._engine_cls = engine_cls
+        self._t_launch = baft.T_IMPORT  # about the process start: the restart phase ends here
+        self._t_ready = time.time()
+        """Process group up and model built (the rendezvous phase ends here)."""
+        self._report: Any = None
         self._restored = False
 
     def restore(self) -> int:
-        """Open the stores, recover the newest rebuildable version; returns the start iteration."""
+        """Build the engine, recover the newest rebuildable version; returns the start
+        iteration (0 on a fresh job). Collective."""
+        from baft.engine.build import build_engine
         from baft.recover.runtime import recover_and_start
 
         if self._restored:
@@ -81,12 +96,16 @@ class Protected:
                 "restore() was already called: call it once, before the first step()"
             )
         self._restored = True
-        if self.cfg.checkpoint is None:
+        if self.checkpoint is None:
             return 0
-        Path(self.cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         with self.watchdog.section("restore"):
-            self.engine, resume = recover_and_start(
-                self.cfg, self.mesh, self.runner, t_launch=self._t_launch, t_rdzv=self._t_launch
+            kwargs = {"engine_cls": self._engine_cls} if self._engine_cls else {}
+            self.engine = build_engine(
+                self.checkpoint, self.run_dir, self.mesh, self.runner, **kwargs
+            )
+            resume, self._report = recover_and_start(
+                self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
             )
         return resume
 
@@ -94,6 +113,8 @@ class Protected:
         self, iteration: int, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None
     ) -> float | None:
         """One training iteration; returns the mean microbatch loss on the last stage."""
+        from baft.recover.runtime import write_progress
+
         if not self._restored:
             raise RuntimeError(
                 "step() before restore(): call start = ft.restore() first (it opens the "
@@ -101,15 +122,13 @@ class Protected:
                 "nothing would be checkpointed"
             )
         with self.watchdog.section(f"iteration {iteration}"):
-            res = self.runner.run_step(iteration, inputs, target)
-        if self.mesh.rank == 0 and self.engine is not None:
-            # lets a later recovery count the iterations it loses
-            (Path(self.cfg.out_dir) / "progress.json").write_text(f'{{"iteration": {iteration}}}')
-        if self.engine is not None and self.engine.recovery is not None:
-            if not self._reported:
-                self.engine.recovery.first_iteration_done(self.mesh.rank == 0)
-                self._reported = True
-        return res.loss
+            self.last_step = self.runner.run_step(iteration, inputs, target)
+        if self.engine is not None:  # a later recovery counts the iterations it lost
+            write_progress(self.run_dir, self.mesh.rank, iteration)
+        if self._report is not None:
+            self._report.first_iteration_done(self.mesh.rank == 0)
+            self._report = None
+        return self.last_step.loss
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -133,6 +152,9 @@ def protect(
     device_mesh: DeviceMesh | None = None,
     checkpoint: CheckpointConfig | None = None,
     ranks_per_node: int = 0,
+    checkpointing: bool = True,
+    instrument: bool = True,
+    engine_cls: Any = None,
 ) -> Protected:
     """Wrap a schedule, its stages (on this rank) and an Adam/AdamW optimizer.
 
@@ -142,22 +164,27 @@ def protect(
     ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
     the pipeline is bounded by ``checkpoint.timeout_s`` from here on, and a watchdog
     ends this process when a peer freezes (see :mod:`baft.engine.watchdog`).
+
+    For baselines: ``checkpointing=False`` runs the same step without checkpoints,
+    ``instrument=False`` the bare torch schedule (no slots, implies no checkpoints), and
+    ``engine_cls`` swaps the engine's scheduling (benchmarks' naive-async).
     """
     check_optimizer(optimizer)
     mesh = _mesh_from(device_mesh, ranks_per_node)
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
     ck.job_id = ck.job_id or default_job_id(run_dir)
     ck.persist_dir = ck.persist_dir or str(Path(run_dir) / "checkpoints")
-    cfg = TrainConfig(out_dir=run_dir, checkpoint=ck)
-    modules = [s.submod for s in stages]
+    ck.validate(mesh.topology)
     runner = StepRunner(
         mesh=mesh,
-        modules=modules,
+        modules=[s.submod for s in stages],
         stages=stages,
         schedule=schedule,
         optimizer=optimizer,
         num_dp=mesh.topology.num_dp,
         num_tp=mesh.topology.num_tp,
+        instrument=instrument,
     )
     watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
-    return Protected(runner, cfg, mesh, watchdog)
+    enabled = checkpointing and instrument
+    return Protected(runner, mesh, run_dir, ck if enabled else None, watchdog, engine_cls)

@@ -159,9 +159,34 @@ class CheckpointConfig:
     """How redundancy moves between ranks: "auto" (ranks whose stores share one host's
     memory read each other's committed bytes directly; the network transport only between
     hosts) or "network" (always the transport, e.g. to measure it)."""
+    snapshot_copy: str = "auto"
+    """How snapshot copies run: "auto" (an asynchronous side stream on CUDA; on the CPU
+    synchronous copies in the bubbles, where the host also computes) or "thread" (a copy
+    thread that plays an accelerator's copy engine: for compute emulated on the CPU)."""
     cost: dict[str, float] | None = None
     """Cost-model override (copy_Bps, net_Bps, encode_Bps, persist_Bps, interference);
     None measures it at the end of profiling (about a second, rank 0)."""
+
+    def validate(self, topology: Any = None) -> None:
+        """Raise ValueError naming the field and the fix; with a ``topology`` also check
+        that the redundancy fits its failure domains."""
+        self.policy()  # validates the policy fields
+        if self.profile_iters < 1:
+            raise ValueError(f"profile_iters={self.profile_iters} must be >= 1")
+        if self.host_work not in ("auto", "bubbles", "always"):
+            raise ValueError(f"host_work must be auto, bubbles or always, got {self.host_work!r}")
+        if self.snapshot_copy not in ("auto", "thread"):
+            raise ValueError(f"snapshot_copy must be auto or thread, got {self.snapshot_copy!r}")
+        if self.exchange not in ("auto", "network"):
+            raise ValueError(f"exchange must be auto or network, got {self.exchange!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.budget_bytes <= 0:
+            raise ValueError(f"budget_bytes={self.budget_bytes} must be > 0")
+        if topology is not None:
+            from baft.store.coding import Redundancy, coding_groups
+
+            coding_groups(topology, Redundancy.parse(self.redundancy))
 
     def policy(self) -> Any:
         from baft.plan.types import CheckpointPolicy
@@ -231,26 +256,16 @@ class TrainConfig:
             raise ValueError("compute=emulated needs emulated_times (per-stage fwd/bwd seconds)")
         self.parallel.validate(self.model, self.global_batch)
         if self.checkpoint is not None:
-            ck = self.checkpoint
-            self.checkpoint.policy()  # validates the policy fields
-            if ck.profile_iters < 1:
-                raise ValueError("profile_iters must be >= 1")
-            if ck.host_work not in ("auto", "bubbles", "always"):
-                raise ValueError("host_work must be auto, bubbles or always")
-            if ck.exchange not in ("auto", "network"):
-                raise ValueError(f"exchange must be auto or network, got {ck.exchange!r}")
-            if ck.timeout_s <= 0:
-                raise ValueError("--timeout must be > 0 seconds")
-            from baft.store.coding import Redundancy, coding_groups
             from baft.topology import Topology
 
-            topo = Topology(
-                num_pp=self.parallel.num_pp,
-                num_dp=self.parallel.num_dp,
-                num_tp=self.parallel.num_tp,
-                ranks_per_node=self.parallel.ranks_per_node,
+            self.checkpoint.validate(
+                Topology(
+                    num_pp=self.parallel.num_pp,
+                    num_dp=self.parallel.num_dp,
+                    num_tp=self.parallel.num_tp,
+                    ranks_per_node=self.parallel.ranks_per_node,
+                )
             )
-            coding_groups(topo, Redundancy.parse(ck.redundancy))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -57,7 +57,7 @@ def worker(cfg_path: str) -> None:
         trainer = Trainer(cfg, mesh)
         it = 0
         for _ in range(bcfg.num_warmup):
-            trainer.train_step(it)
+            trainer.run_step(it)
             it += 1
         hooks, skipped = _build_modes(bcfg, cfg, mesh, trainer)
         if skipped:
@@ -69,11 +69,11 @@ def worker(cfg_path: str) -> None:
                 num += getattr(getattr(h, "ck", None), "profile_iters", 0)
             _switch(trainer, h, True)
             for _ in range(num):
-                trainer.train_step(it)
+                trainer.run_step(it)
                 it += 1
             lines = []
             for _ in range(spec["iters"]):
-                lines.append(json.dumps(trainer.train_step(it).timeline.to_json()))
+                lines.append(json.dumps(trainer.run_step(it).timeline.to_json()))
                 it += 1
             _switch(trainer, h, False)
             out = Path(bcfg.out_dir) / "timelines" / mode / "timeline"

@@ -12,7 +12,6 @@ that into the reported numbers; :mod:`baft.bench.command` renders the results pa
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import statistics
@@ -22,14 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
-"""Modes implemented in :mod:`baft.bench.baselines`."""
-ENGINE_MODES = ("naive-async", "baft")
-"""Modes provided by ``baft.engine.engine.CheckpointEngine``."""
-PEER_MODES = ("lm-resiliency", "dlrover-flash")
-"""Modes backed by published libraries (:mod:`baft.bench.peers`, the ``peers`` extra)."""
-ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES, *PEER_MODES)
-"""Every mode ``baft bench overhead`` knows, in report order."""
+from baft.bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES, PEER_MODES
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
@@ -162,6 +154,8 @@ class OverheadConfig:
         ck.store_root = self.store_root
         ck.job_id = engine_job_id(self.out_dir, mode)
         ck.persist_dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
+        if self.compute == "emulated":
+            ck.snapshot_copy = "thread"  # the host is free while the emulated device computes
         return ck
 
     def train_config(self) -> Any:
@@ -353,12 +347,15 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
             out_dir=bcfg.out_dir,
             ranks_per_node=bcfg.ranks_per_node,
         )
+    from baft.bench.naive import NaiveAsyncEngine
+    from baft.engine.build import build_engine
     from baft.engine.engine import CheckpointEngine
 
     run_dir = Path(bcfg.out_dir) / f"engine-{mode}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    ecfg = dataclasses.replace(cfg, out_dir=str(run_dir), checkpoint=bcfg.engine_checkpoint(mode))
-    return CheckpointEngine(ecfg, mesh, trainer, naive=(mode == "naive-async"))
+    engine_cls = NaiveAsyncEngine if mode == "naive-async" else CheckpointEngine
+    ck = bcfg.engine_checkpoint(mode)
+    return build_engine(ck, run_dir, mesh, trainer.runner, engine_cls=engine_cls)
 
 
 def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tuple[dict, dict]:
@@ -420,7 +417,7 @@ def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[floa
     rows = []
     for it in range(first, first + num):
         start, cpu0 = time.perf_counter(), time.process_time()
-        res = trainer.train_step(it)
+        res = trainer.run_step(it)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
         m = getattr(hooks, "last_metrics", None) or {}
         nbytes = m.get("bytes", 0.0)

@@ -85,7 +85,7 @@ def _worker(c: dict[str, Any], t_start: float) -> None:
             (out / "killed_at.txt").write_text(repr(_now()))
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = _now()
-        trainer.train_step(it)
+        trainer.run_step(it)
         if it == start:
             first_s = _now() - t0
         if restart == 0 and it + 1 >= c["kill_at"] - 1:  # digests of the last two steps

@@ -1,198 +1,165 @@
 """The checkpoint engine of one rank: plan, snapshot in bubbles, protect, commit, persist.
 
-Lifecycle (all ranks in lock-step, driven by the trainer's :class:`StepHooks`):
+Lifecycle (all ranks in lock-step, driven by the step runner's :class:`StepHooks`):
 
 1. **Profile.** The first ``profile_iters`` iterations run unprotected; their timelines
-   give this rank's :class:`BubbleMap`. After them every rank gathers all BubbleMaps and
-   state layouts on the checkpoint group and runs the pure planner: identical inputs,
-   identical :class:`CheckpointPlan` everywhere, no coordinator. The planner's inputs are
-   saved in the run directory, so a restarted job re-plans at once without profiling.
-2. **Snapshot (iteration v, version v).** At each slot the rank copies the chunks planned
-   there from the live tensors into the store slot for v, checksums them and posts the
-   redundancy sends those bytes complete. Leftovers run just before ``optimizer.step``
-   and count as exposed time, so the snapshot is always a consistent copy of version v.
-3. **Protect and commit.** After the step, the rank waits for its redundancy pieces,
-   encodes parity, records the manifest, and posts a tiny MIN all-reduce of its newest
-   complete version; the answer is read at the next version's start (it arrives while the
-   rank computes), and version v is committed only when every rank completed it. The
+   give this rank's BubbleMap. After them every rank gathers all BubbleMaps and state
+   layouts and runs the pure planner (:mod:`baft.engine.planning`): identical inputs,
+   identical :class:`CheckpointPlan` everywhere. A restarted job re-plans at once from
+   the saved inputs.
+2. **Snapshot (iteration v, version v).** At each slot the rank starts the copies of the
+   chunks planned there from the live tensors into the store slot for v (hashing on the
+   way) and the worker posts the redundancy those bytes complete. Leftovers run just
+   before ``optimizer.step`` and count as exposed time, so the snapshot is always a
+   consistent copy of version v.
+3. **Protect and commit.** After the step the rank waits for its redundancy pieces,
+   encodes parity, records the manifest and posts its vote (:mod:`baft.engine.versions`);
+   version v is committed at the next version's start if every rank completed it. The
    store never overwrites the newest committed version.
 4. **Persist.** Every ``persist_every`` committed checkpoints the committed slot is
-   written as a DCP checkpoint in the background; its slot is not reused until that is
-   done.
+   written as a DCP checkpoint in the background.
+
+The engine does no set-up I/O of its own: :func:`baft.engine.build.build_engine` makes
+its store, transport, copiers, worker and persister and hands them in.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-from baft.config import TrainConfig
-from baft.engine.device import (
-    ChunkCopy,
-    DeviceCopy,
-    ThreadCopy,
-    device_copy_for,
-    pin_host_buffer,
-)
+from baft.config import CheckpointConfig
+from baft.engine.device import ChunkCopy, DeviceCopy, pin_host_buffer
 from baft.engine.flat import FlatState, Piece
-from baft.engine.persister import Persister, SaveHandle, persist_name
+from baft.engine.persister import Persister, persist_name
+from baft.engine.planning import (
+    REPLAN_AFTER_CHECKPOINTS,
+    SPILL,
+    SnapshotSchedule,
+    calibrate,
+    gather_plan_input,
+    load_plan_input,
+    replan_rate,
+    save_plan_input,
+)
 from baft.engine.redundancy import RedundancyExchange
-from baft.engine.transport import GlooTransport, Transport
+from baft.engine.transport import Transport
+from baft.engine.versions import COMPONENTS, CommitVote, PersistSchedule, Version
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
-from baft.pipeline.mesh import Mesh
-from baft.pipeline.step import StepRunner
 from baft.plan.cost import CostModel
-from baft.plan.inputs import (
-    PLAN_INPUT_FILE,
-    bmap_from_json,
-    bmap_to_json,
-    layout_from_json,
-    layout_to_json,
-)
+from baft.plan.inputs import bmap_from_json, layout_from_json
 from baft.plan.planner import plan as make_plan
-from baft.plan.types import CheckpointPlan, StateLayout, Task, TaskKind
-from baft.profile.bubbles import bubble_map
-from baft.profile.timeline import parse_record
+from baft.plan.types import CheckpointPlan, StateLayout, Task
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
 from baft.store.peer import PeerStore
 from baft.store.shm import MemoryBudgetError, SnapshotStore
+from baft.topology import Topology
+
+__all__ = ["COMPONENTS", "SPILL", "CheckpointEngine", "EngineParts", "StateSource"]
 
 log = logging.getLogger("baft")
-SPILL = "__spill__"
-"""Pseudo-slot of the snapshot tasks that fit no bubble."""
-
-REPLAN_AFTER_CHECKPOINTS = 3
-COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
-"""Where a version's protect time goes: ``copy`` (snapshot copies, hashing included where
-the copier hashes on the way), ``hash`` (a separate checksum pass: CUDA only), ``send``
-(network sends), ``pull`` (same-host redundancy copies from a peer's store), ``recv_wait``
-(waiting for network receives and peers' progress), ``encode`` (parity), and
-``deadline_wait`` (the training thread waiting for copies at the step deadline)."""
-"""Checkpoints after which the measured snapshot copy rate is compared with the plan's."""
 
 
-def host_id() -> str:
-    """This machine in this boot: ranks with equal ids share host memory. ``BAFT_HOST_ID``
-    overrides it (tests that play several hosts on one machine)."""
-    override = os.environ.get("BAFT_HOST_ID")
-    if override:
-        return override
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+class StateSource(Protocol):
+    """What the engine snapshots: a fixed list of named tensors, plus small state (RNG,
+    hyperparameters, stateful objects) that lives in some of those tensors."""
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every checkpointed tensor, canonical order; the list never changes."""
+        ...
+
+    def capture(self) -> None:
+        """Refresh the small-state tensors from the live objects (a version's start)."""
+        ...
+
+    def apply(self) -> None:
+        """Load the small state from its tensors into the live objects (after a restore)."""
+        ...
 
 
-class _Version:
-    """Bookkeeping of the version being written."""
+@dataclass
+class EngineParts:
+    """The engine's collaborators, made by :func:`baft.engine.build.build_engine`."""
 
-    def __init__(self, version: int, slot: int, data: torch.Tensor, red: torch.Tensor) -> None:
-        self.version = version
-        self.slot = slot
-        self.data = data
-        self.red = red
-        self.done: set[int] = set()
-        self.covered = 0
-        self.checksums: dict[int, int] = {}
-        self.in_bubble_s = 0.0
-        self.exposed_s = 0.0
-        self.snapshot_bytes = 0
-        self.protected: set[int] = set()
-        self.snapshot_event: threading.Event | None = None
-        self.seconds: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
-        """Seconds per protect component (see COMPONENTS), summed over threads."""
+    store: SnapshotStore
+    transport: Transport
+    copier: DeviceCopy
+    """Copies live tensors at their slots (synchronous on CPU, asynchronous otherwise)."""
+    spill_copier: DeviceCopy
+    """Copies that fit no bubble, started at the iteration's start (always asynchronous)."""
+    worker: ProtectWorker
+    peers: dict[int, PeerStore]
+    """Other ranks whose stores share this host's memory."""
+    persister: Persister | None
+    injector: Any = None
+    """A :class:`baft.faults.injector.FaultInjector`, or None."""
 
 
 class CheckpointEngine:
-    """Implements the trainer's StepHooks; see the module docstring."""
+    """Implements the step runner's StepHooks; see the module docstring."""
+
+    bubble_aware = True
+    """Runs snapshot work at its planned slots (the naive-async baseline does not)."""
 
     def __init__(
         self,
-        cfg: TrainConfig,
-        mesh: Mesh,
-        trainer: StepRunner,
+        ck: CheckpointConfig,
+        run_dir: Path,
         *,
-        injector: Any = None,
-        naive: bool = False,
-        transport: Transport | None = None,
+        topology: Topology,
+        rank: int,
+        device: torch.device,
+        state: StateSource,
+        parts: EngineParts,
     ) -> None:
-        ck = cfg.checkpoint
-        assert ck is not None, "CheckpointEngine needs cfg.checkpoint"
-        self.cfg = cfg
         self.ck = ck
         self.policy = ck.policy()
-        self.mesh = mesh
-        self.rank = mesh.rank
-        self.topology = mesh.topology
-        self.trainer = trainer
-        self.injector = injector
-        self.naive = naive
+        self.run_dir = Path(run_dir)
+        self.topology = topology
+        self.rank = rank
+        self.device = device
+        self.state = state
+        self.flat = FlatState(state.named_tensors())
+        self.store = parts.store
+        self.transport = parts.transport
+        self.copier = parts.copier
+        self.spill_copier = parts.spill_copier
+        self.worker = parts.worker
+        self.peers = parts.peers
+        self.injector = parts.injector
         self.redundancy = Redundancy.parse(self.policy.redundancy)
         coding_groups(self.topology, self.redundancy)  # validates the layout early
-        self.transport: Transport = transport or GlooTransport(ck.timeout_s)
-        self.store = SnapshotStore(
-            Path(ck.store_root),
-            ck.job_id,
-            self.topology.node_of(self.rank),
-            self.rank,
-            ck.budget_bytes,
-        )
-        trainer.init_optimizer_state()
-        c = mesh.coords
-        # The CPU RNG state of the version's start travels inside the flat state.
-        self._rng = torch.get_rng_state().clone()
-        rng_name = f"extra.pp{c.pp}.tp{c.tp}.rng"
-        self.flat = FlatState([*trainer.named_state(), (rng_name, self._rng)])
-        self.recovery: Any = None
-        self.peers: dict[int, PeerStore] = {}
-        """Other ranks on this host -> their stores (see _find_same_host_peers)."""
-        self.skip_version: int | None = None
-        self.copier = device_copy_for(mesh.device, emulated=cfg.compute == "emulated")
-        # Copies that fit no bubble never stall the host either: with a synchronous copier
-        # (CPU training) they go to a copy thread started at the iteration's start, where
-        # they overlap compute as naive-async's would (bubble-aware is never worse).
-        self.spill_copier = self.copier if self.copier.asynchronous else ThreadCopy()
-        # Host-side protect work waits for bubbles only when the host also computes.
-        gated = mesh.device.type == "cpu" and cfg.compute == "real" and not naive
-        self.worker = ProtectWorker(
-            gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles"
-        )
-        self.worker_thread: threading.Thread | None = None
-        self.run_dir = Path(cfg.out_dir)
+        self.votes = CommitVote(self.transport, self.store)
+        self.persists = PersistSchedule(parts.persister, self.policy.persist_every)
         self.enabled = True
         self.plan: CheckpointPlan | None = None
         self.group_layout: GroupLayout | None = None
         self.exchange: RedundancyExchange | None = None
-        self._slot_tasks: dict[str, list[tuple[Task, tuple[Piece, ...]]]] = {}
-        self._all_tasks: list[tuple[Task, tuple[Piece, ...]]] = []
-        self._chunk_by_offset: dict[int, tuple[int, int]] = {}
-        """Shard offset of a chunk -> (chunk id, end offset)."""
-        self._owned_start = 0
-        self._profile: list[dict[str, Any]] = []
-        self._cur: _Version | None = None
-        self._pending_commit: tuple[int, Any, torch.Tensor] | None = None
-        self.committed: int | None = None
-        self.persister: Persister | None = None
-        self._persist: tuple[int, SaveHandle] | None = None
-        self._checkpoints_committed = 0
-        self.last_metrics: dict[str, Any] = {}
+        self.schedule = SnapshotSchedule()
+        self.worker_thread: threading.Thread | None = None
+        """Set while snapshots run on the worker itself (naive-async)."""
+        self.skip_version: int | None = None
+        """The version a restore brought back: it is committed already, not rewritten."""
         self.plan_iteration = ck.profile_iters
+        self.last_metrics: dict[str, Any] = {}
+        self._profile: list[dict[str, Any]] = []
+        self._cur: Version | None = None
         self._plan_input: dict[str, Any] | None = None
         self._checkpoints_since_plan = 0
         self._observed: tuple[int, float] = (0, 0.0)
-        trainer.hooks = self
+
+    @property
+    def committed(self) -> int | None:
+        """Newest globally committed version."""
+        return self.votes.committed
 
     # ------------------------------------------------------------------ set-up
     def layout(self) -> StateLayout:
@@ -200,67 +167,35 @@ class CheckpointEngine:
             rank=self.rank, tensors=self.flat.specs(), replicas=self.topology.replicas(self.rank)
         )
 
-    def start(self, resume_iteration: int) -> None:
-        """Prepare for training from ``resume_iteration`` (re-plans at once after a restart).
+    def start(self, resume_iteration: int, restored_version: int | None = None) -> None:
+        """Train from ``resume_iteration``; ``restored_version`` is what a restore from
+        memory brought back (committed already). Re-plans at once from a saved profile.
         Collective: every rank calls it once."""
-        self._find_same_host_peers()
+        self.skip_version = restored_version
+        if restored_version is not None:
+            self.votes.adopt(restored_version)
         self.plan_iteration = max(resume_iteration, 0) + self.ck.profile_iters
-        saved = self.run_dir / PLAN_INPUT_FILE
-        if saved.exists():
-            self._plan_from(json.loads(saved.read_text()), source="saved profile")
-        if self.ck.persist_dir and self.policy.persist_every:
-            group = dist.new_group(backend="gloo")
-            self.persister = Persister(
-                self.ck.persist_dir,
-                keep_latest=self.policy.keep_latest,
-                process_group=group,
-                rank=self.rank,
-                timeout_s=self.ck.timeout_s * 10,
-            )
-
-    def _find_same_host_peers(self) -> None:
-        """Ranks whose stores live in this host's memory (same boot of the same machine and
-        a store directory visible here): redundancy between them moves through the store,
-        not the network (``exchange=auto``). Collective."""
-        me = {"host": host_id(), "store": str(self.store.path)}
-        everyone = self.transport.all_gather_object(me)
-        self.peers = {}
-        if self.ck.exchange != "auto":
-            return
-        for r, info in enumerate(everyone):
-            if r != self.rank and info["host"] == me["host"]:
-                self.peers[r] = PeerStore(info["store"], r)
+        saved = load_plan_input(self.run_dir)
+        if saved is not None:
+            self._plan_from(saved, source="saved profile")
 
     def _gather_and_plan(self) -> None:
-        records = [parse_record(d) for d in self._profile]
-        bmap = bubble_map(self.rank, records, skip=0)
-        cost = self._calibrate() if self.rank == 0 else None
-        gathered = self.transport.all_gather_object(
-            {"bubbles": bmap_to_json(bmap), "layout": layout_to_json(self.layout()), "cost": cost}
-        )
-        plan_input = {
-            "ranks": [{k: v for k, v in g.items() if k != "cost"} for g in gathered],
-            "cost": gathered[0]["cost"],
-            "world_size": self.topology.world_size,
-        }
-        self._save_plan_input(plan_input)
-        self._plan_from(plan_input, source="profile")
-
-    def _save_plan_input(self, plan_input: dict[str, Any]) -> None:
+        cost = calibrate(self.ck.cost) if self.rank == 0 else None
+        plan_input = gather_plan_input(
+            self.transport, self.rank, self._profile, self.layout(), cost,
+            self.topology.world_size,
+        )  # fmt: skip
         if self.rank == 0:
-            tmp = self.run_dir / (PLAN_INPUT_FILE + ".tmp")
-            tmp.write_text(json.dumps(plan_input))
-            tmp.replace(self.run_dir / PLAN_INPUT_FILE)
+            save_plan_input(self.run_dir, plan_input)
+        self._plan_from(plan_input, source="profile")
 
     def _maybe_replan(self) -> None:
         """Once, after a few checkpoints: re-plan if snapshots copy at another rate than
-        the plan assumed (the start-up micro-benchmark copies one hot buffer; real
-        snapshots gather many tensors next to a computing neighbour, 2-4x slower here).
+        the plan assumed (see :func:`baft.engine.planning.replan_rate`).
 
-        Collective: every rank reaches it at the same iteration. The measured rate is the
-        slowest rank's. If the new plan moves a shard boundary (the same decision on every
-        rank: the plan is deterministic), every store forgets its versions and the next
-        checkpoint commits under the new layout; otherwise the stored versions stay valid.
+        Collective: every rank reaches it at the same iteration. If the new plan moves a
+        shard boundary (the same decision on every rank: the plan is deterministic), every
+        store forgets its versions and the next checkpoint commits under the new layout.
         """
         if self._plan_input is None or self._plan_input.get("replanned"):
             return
@@ -268,18 +203,16 @@ class CheckpointEngine:
             return
         nbytes, seconds = self._observed
         rates = self.transport.all_gather_object(nbytes / seconds if seconds > 0 else None)
-        measured = [r for r in rates if r]
         self._plan_input["replanned"] = True
-        if not measured:
+        rate = replan_rate(self._plan_input, rates)
+        if rate is None:
             return
-        rate = min(measured)
         assumed = float(self._plan_input["cost"].get("copy_Bps", CostModel().copy_Bps))
-        if 0.8 <= rate / assumed <= 1.25:
-            return
         self._resolve_commit()
         self._quiesce()
         self._plan_input["cost"]["copy_Bps"] = rate
-        self._save_plan_input(self._plan_input)
+        if self.rank == 0:
+            save_plan_input(self.run_dir, self._plan_input)
         assert self.plan is not None
         before = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
         self._plan_from(
@@ -289,15 +222,7 @@ class CheckpointEngine:
         after = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
         if after != before:  # shard layout moved: old versions must not mix with new ones
             self.store.clear_versions()
-            self.committed = None
-
-    def _calibrate(self) -> dict[str, float]:
-        """The cost model: configured values, else a ~1 s micro-benchmark on this machine."""
-        if self.ck.cost:
-            return dict(self.ck.cost)
-        from baft.profile.calibrate import measure_cost_model
-
-        return measure_cost_model(8 << 20, repeats=2)
+            self.votes.adopt(None)
 
     def _plan_from(self, plan_input: dict[str, Any], source: str) -> None:
         ranks = plan_input["ranks"]
@@ -314,11 +239,12 @@ class CheckpointEngine:
             bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), self.policy
         )
         self.plan = plan
-        rp = plan.ranks[self.rank]
+        self.schedule = SnapshotSchedule.of(plan, self.rank, self.flat)
         shard_sizes = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
         self.group_layout = group_layouts(self.topology, self.redundancy, shard_sizes)[self.rank]
-        red_nbytes = self.group_layout.redundancy_nbytes(self.rank)
-        self._allocate_everywhere(rp.owned_stop - rp.owned_start, red_nbytes)
+        self._allocate_everywhere(
+            self.schedule.nbytes, self.group_layout.redundancy_nbytes(self.rank)
+        )
         self.exchange = RedundancyExchange(
             self.group_layout if self.redundancy.kind != "none" else None,
             self.rank,
@@ -327,28 +253,13 @@ class CheckpointEngine:
             peers=self.peers,
             timeout_s=self.ck.timeout_s,
         )
-        self._slot_tasks, self._all_tasks = {}, []
-        for slot_id, tasks in list(rp.tasks.items()) + [(SPILL, rp.spilled)]:
-            for t in tasks:
-                if t.kind is TaskKind.SNAPSHOT:
-                    entry = (t, self.flat.pieces(t.offset, t.offset + t.nbytes))
-                    self._slot_tasks.setdefault(slot_id, []).append(entry)
-                    self._all_tasks.append(entry)
-        self._all_tasks.sort(key=lambda e: e[0].offset)
-        self._owned_start = rp.owned_start
-        self._chunk_by_offset = {
-            t.offset - rp.owned_start: (t.chunk_id, t.offset - rp.owned_start + t.nbytes)
-            for t, _ in self._all_tasks
-        }
         self.plan_iteration = -1
         paths = self.exchange.paths()
         via = (
-            f"; redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
+            f"redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
             f"same-host stores, {paths['net'] / 2**20:.1f} MiB over the network"
         )
-        log.info("checkpoint plan (%s)%s", source, via)
-        if self.rank == 0:
-            print(f"[baft] checkpoint plan ({source}): {plan.reason}{via}", flush=True)
+        log.info("checkpoint plan (%s): %s; %s", source, plan.reason, via)
 
     def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int) -> None:
         """Allocate the store; collective, so that a rank over its memory budget (or a
@@ -366,50 +277,39 @@ class CheckpointEngine:
     def _allocate(self, data_nbytes: int, red_nbytes: int) -> None:
         """(Re)create the store's slots; on CUDA pin them so device copies are DMA."""
         self.store.allocate(data_nbytes, red_nbytes)
-        if self.mesh.device.type == "cuda":
+        if self.device.type == "cuda":
             for slot in (0, 1):
                 pin_host_buffer(torch.from_numpy(self.store.data_view(slot)))
 
     # ------------------------------------------------------------------ hooks
     def apply_rng(self) -> None:
-        """Make the restored RNG state (inside the flat state) the live one."""
-        torch.set_rng_state(self._rng.clone())
+        """Load the restored small state (RNG, ...) from the flat state into the live objects."""
+        self.state.apply()
 
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
-        self._rng.copy_(torch.get_rng_state())
+        self.state.capture()
         self._fire("iteration", iteration)
-        if self.naive:  # naive-async: everything starts at once on the (ungated) worker
-            v = self._current(iteration)
-            if v is not None:
-                v.snapshot_event = threading.Event()
-                self.worker.submit(lambda: self._run_all(v))
-        elif self._slot_tasks.get(SPILL):
+        spill = self.schedule.by_slot.get(SPILL)
+        if spill:
             # Copies that fit no bubble start now on an asynchronous copier and finish by
             # the deadline, instead of stalling the host just before the step.
             cur = self._current(iteration)
             if cur is not None:
-                for task, pieces in self._slot_tasks[SPILL]:
+                for task, pieces in spill:
                     self._snapshot(
-                        cur,
-                        task,
-                        pieces,
-                        timeline,
-                        "iteration_start",
-                        exposed=False,
-                        copier=self.spill_copier,
-                    )
+                        cur, task, pieces, timeline, "iteration_start",
+                        exposed=False, copier=self.spill_copier,
+                    )  # fmt: skip
 
     def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.injector is not None:
             delay = self.injector.slot_delay(timeline.iteration)
             if delay:
                 time.sleep(delay)
-        if self.naive:
-            return
         v = self._current(timeline.iteration)
         if v is None:
             return
-        for task, pieces in self._slot_tasks.get(slot_id, ()):
+        for task, pieces in self.schedule.by_slot.get(slot_id, ()):
             self._snapshot(v, task, pieces, timeline, slot_id, exposed=False)
             if len(v.done) == 1:
                 self._fire("snapshot", timeline.iteration)
@@ -423,28 +323,25 @@ class CheckpointEngine:
     def before_optimizer_step(self, iteration: int, timeline: IterationTimeline) -> None:
         v = self._current(iteration)
         if v is not None:
-            if v.snapshot_event is not None:  # naive-async: the snapshot must be done
-                start = timeline.now()
-                v.snapshot_event.wait()
-                v.exposed_s += timeline.now() - start
-                timeline.add(
-                    "snapshot-join", "ckpt", start, timeline.now(), slot="pre_step", exposed=True
-                )
-            for task, pieces in self._all_tasks:
-                if task.chunk_id not in v.done:
-                    self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
-            start = timeline.now()
-            self.copier.synchronize()  # the step deadline: every copy of v is done
-            if self.spill_copier is not self.copier:
-                self.spill_copier.synchronize()
-            waited = timeline.now() - start
-            v.seconds["deadline_wait"] += waited
-            v.exposed_s += waited
-            if waited > 1e-4:
-                timeline.add(
-                    "snapshot-wait", "ckpt", start, start + waited, slot="pre_step", exposed=True
-                )
+            self._finish_snapshot(v, timeline)
         self._fire("step", iteration)
+
+    def _finish_snapshot(self, v: Version, timeline: IterationTimeline) -> None:
+        """The step deadline: copy what no slot took, wait for every copy of ``v``."""
+        for task, pieces in self.schedule.all_tasks:
+            if task.chunk_id not in v.done:
+                self._snapshot(v, task, pieces, timeline, "pre_step", exposed=True)
+        start = timeline.now()
+        self.copier.synchronize()
+        if self.spill_copier is not self.copier:
+            self.spill_copier.synchronize()
+        waited = timeline.now() - start
+        v.seconds["deadline_wait"] += waited
+        v.exposed_s += waited
+        if waited > 1e-4:
+            timeline.add(
+                "snapshot-wait", "ckpt", start, start + waited, slot="pre_step", exposed=True
+            )
 
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
         v = self._cur
@@ -464,7 +361,7 @@ class CheckpointEngine:
             timeline.add(
                 "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
             )
-            self._post_commit(v.version, complete)
+            self.votes.post(v.version, complete)
             self.last_metrics = self._metrics(v)
             self._cur = None
         else:
@@ -478,7 +375,7 @@ class CheckpointEngine:
             self._maybe_replan()
 
     # ------------------------------------------------------------------ snapshot
-    def _current(self, iteration: int) -> _Version | None:
+    def _current(self, iteration: int) -> Version | None:
         """The version written in this iteration, begun on first use; None if none is due."""
         if self._cur is not None and self._cur.version == iteration:
             return self._cur
@@ -487,14 +384,15 @@ class CheckpointEngine:
         if iteration == self.skip_version:  # restored from memory: already committed there
             return None
         self._resolve_commit()
-        self._protect_persisted_slot()
+        if self.persists.reading_other_than(self.committed):
+            self.persists.join()  # never overwrite a slot the persister still reads
         if not self.store.path.exists():  # store lost under a live rank: start it afresh
             self._quiesce()
             self._allocate(self.store.data_view(0).size, self.store.red_view(0).size)
         slot = self.store.begin(iteration)
         data = torch.from_numpy(self.store.data_view(slot))
         red = torch.from_numpy(self.store.red_view(slot))
-        self._cur = _Version(iteration, slot, data, red)
+        self._cur = Version(iteration, slot, data, red)
         if self.exchange is not None:
             self.exchange.begin(data, red, iteration)
         self.store.publish(iteration, slot, 0)
@@ -502,7 +400,7 @@ class CheckpointEngine:
 
     def _snapshot(
         self,
-        v: _Version,
+        v: Version,
         task: Task,
         pieces: tuple[Piece, ...],
         timeline: IterationTimeline | None,
@@ -512,7 +410,7 @@ class CheckpointEngine:
         copier: DeviceCopy | None = None,
     ) -> None:
         start = time.perf_counter()
-        lo = task.offset - self._owned_start
+        lo = task.offset - self.schedule.owned_start
         out = v.data[lo : lo + task.nbytes]
         copier = copier or self.copier
         copy = copier.start(self.flat.pairs(pieces, out))  # returns at once if async
@@ -531,16 +429,11 @@ class CheckpointEngine:
         if timeline is not None:
             end = timeline.now()
             timeline.add(
-                "snapshot",
-                "ckpt",
-                end - elapsed,
-                end,
-                slot=slot_id,
-                bytes=task.nbytes,
-                exposed=exposed,
-            )
+                "snapshot", "ckpt", end - elapsed, end,
+                slot=slot_id, bytes=task.nbytes, exposed=exposed,
+            )  # fmt: skip
 
-    def _protect(self, v: _Version, chunk_id: int, out: torch.Tensor, copy: ChunkCopy) -> None:
+    def _protect(self, v: Version, chunk_id: int, out: torch.Tensor, copy: ChunkCopy) -> None:
         """Worker: once a chunk's copy is done, record its checksum (hashed during the copy
         by host copiers) and send the redundancy pieces it completes."""
         copy.wait(self.ck.timeout_s)
@@ -556,7 +449,7 @@ class CheckpointEngine:
         v.checksums[chunk_id] = copy.checksum
         v.protected.add(chunk_id)
         before = v.covered
-        while (nxt := self._chunk_by_offset.get(v.covered)) and nxt[0] in v.protected:
+        while (nxt := self.schedule.chunk_at.get(v.covered)) and nxt[0] in v.protected:
             v.covered = nxt[1]
         if v.covered != before:
             self.store.publish(v.version, v.slot, v.covered)
@@ -570,87 +463,50 @@ class CheckpointEngine:
         if self.exchange is not None:
             self.exchange.pull_ready()
 
-    def _run_all(self, v: _Version) -> None:
-        """naive-async (on the worker): snapshot and protect everything at once."""
-        self.worker_thread = threading.current_thread()
-        for task, pieces in self._all_tasks:
-            if task.chunk_id not in v.done:
-                self._snapshot(v, task, pieces, None, "naive", exposed=False)
-        assert v.snapshot_event is not None
-        v.snapshot_event.set()
-
     # ------------------------------------------------------------------ commit
-    def _complete(self, v: _Version, iteration: int) -> None:
+    def _complete(self, v: Version, iteration: int) -> None:
         assert self.plan is not None and self.group_layout is not None
-        rp = self.plan.ranks[self.rank]
+        s = self.schedule
         chunks = tuple(
-            ChunkRecord(t.chunk_id, t.offset - rp.owned_start, t.nbytes, v.checksums[t.chunk_id])
-            for t, _ in self._all_tasks
+            ChunkRecord(t.chunk_id, t.offset - s.owned_start, t.nbytes, v.checksums[t.chunk_id])
+            for t, _ in s.all_tasks
         )
         known = self.exchange.region_checksums if self.exchange is not None else {}
         regions = region_records(v.red.numpy(), self.group_layout.regions(self.rank), known)
-        meta = {
-            "position": iteration,
-            "flat_nbytes": self.flat.nbytes,
-        }
         manifest = Manifest.for_layout(
             topology=self.topology,
             layout=self.group_layout,
             rank=self.rank,
             version=v.version,
             iteration=iteration,
-            owned_start=rp.owned_start,
-            owned_stop=rp.owned_stop,
+            owned_start=s.owned_start,
+            owned_stop=s.owned_stop,
             chunks=chunks,
             regions=regions,
-            meta=meta,
+            meta={"position": iteration, "flat_nbytes": self.flat.nbytes},
         )
         self.store.complete(v.slot, manifest)
 
-    def _post_commit(self, version: int, complete: bool) -> None:
-        """Start the global agreement on ``version``; a rank that could not complete it votes -1."""
-        t = torch.tensor([version if complete else -1], dtype=torch.int64)
-        group = getattr(self.transport, "group", None)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)
-        self._pending_commit = (version, work, t)
-
     def _resolve_commit(self) -> None:
-        if self._pending_commit is None:
-            return
-        version, work, t = self._pending_commit
-        self._pending_commit = None
-        work.wait()
-        if int(t.item()) == version:
-            self.store.commit(version)
-            self.committed = version
-            self._checkpoints_committed += 1
-            self._maybe_persist(version)
-
-    # ------------------------------------------------------------------ persist
-    def _maybe_persist(self, version: int) -> None:
-        if self.persister is None or self._checkpoints_committed % self.policy.persist_every:
-            return
-        self._fire("persist", version)
-        self._join_persist()
-        slot = next(
-            s
-            for s in (0, 1)
-            if (m := self.store.read_manifest(s)) is not None and m.version == version
-        )
-        state = self._persist_state(slot)
-        meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
-        self._persist = (version, self.persister.save_async(version, state, meta))
+        version = self.votes.resolve()
+        if version is not None and self.persists.due(self.votes.num_committed):
+            self._fire("persist", version)
+            slot = next(
+                s for s in (0, 1)
+                if (m := self.store.read_manifest(s)) is not None and m.version == version
+            )  # fmt: skip
+            meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
+            self.persists.start(version, lambda: self._persist_state(slot), meta)
 
     def _persist_state(self, slot: int) -> dict[str, torch.Tensor]:
         """Whole tensors of this rank's shard, as typed views of the committed slot."""
-        assert self.plan is not None
-        rp = self.plan.ranks[self.rank]
+        s = self.schedule
         data = torch.from_numpy(self.store.data_view(slot))
         out: dict[str, torch.Tensor] = {}
         for name, t, off in zip(self.flat.names, self.flat.tensors, self.flat.offsets, strict=True):
             n = t.numel() * t.element_size()
-            if rp.owned_start <= off and off + n <= rp.owned_stop:
-                raw = data[off - rp.owned_start : off - rp.owned_start + n]
+            if s.owned_start <= off and off + n <= s.owned_stop:
+                raw = data[off - s.owned_start : off - s.owned_start + n]
                 out[persist_name(name)] = raw.view(t.dtype).view(t.shape)
         return out
 
@@ -658,25 +514,14 @@ class CheckpointEngine:
         """Nothing may still read the store's mappings: they are about to be replaced
         (a resized file under a live mapping is a SIGBUS for its reader)."""
         self.worker.drain()
-        self._join_persist()
-
-    def _join_persist(self) -> None:
-        """Wait for the DCP save in flight, if any."""
-        if self._persist is not None:
-            self._persist[1].wait()
-            self._persist = None
-
-    def _protect_persisted_slot(self) -> None:
-        """Never overwrite a slot the persister is still reading."""
-        if self._persist is not None and self._persist[0] != self.committed:
-            self._join_persist()
+        self.persists.join()
 
     # ------------------------------------------------------------------ misc
     def _fire(self, point: str, iteration: int) -> None:
         if self.injector is not None:
             self.injector.fire(point, iteration)
 
-    def _metrics(self, v: _Version | None) -> dict[str, Any]:
+    def _metrics(self, v: Version | None) -> dict[str, Any]:
         ex = self.exchange
         return {
             "committed_version": self.committed,
@@ -701,7 +546,5 @@ class CheckpointEngine:
         for peer in self.peers.values():
             peer.close()
         self._resolve_commit()
-        self._join_persist()
-        if self.persister is not None:
-            self.persister.shutdown()
+        self.persists.shutdown()
         self.store.close()

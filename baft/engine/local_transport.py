@@ -104,5 +104,14 @@ class LocalTransport:
         self._meet()
         return out
 
-    def all_min(self, value: int) -> int:
-        return int(min(self.all_gather_object(value)))
+    def all_min_async(self, value: int) -> _Vote:
+        """Every rank meets when it waits (ranks resolve votes in the same order)."""
+        return _Vote(self, value)
+
+
+class _Vote:
+    def __init__(self, transport: LocalTransport, value: int) -> None:
+        self._transport, self._value = transport, value
+
+    def wait(self) -> int:
+        return int(min(self._transport.all_gather_object(self._value)))

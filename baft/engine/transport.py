@@ -22,6 +22,10 @@ class Handle(Protocol):
     def wait(self) -> Any: ...
 
 
+class VoteHandle(Protocol):
+    def wait(self) -> int: ...
+
+
 class Transport(Protocol):
     """What the engine and the restore runtime need from the network."""
 
@@ -32,7 +36,9 @@ class Transport(Protocol):
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle: ...
 
-    def all_min(self, value: int) -> int: ...
+    def all_min_async(self, value: int) -> VoteHandle:
+        """Start a MIN over every rank's ``value``; ``wait()`` returns it."""
+        ...
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
@@ -59,6 +65,17 @@ class TimedWork:
             ) from e
 
 
+class _MinVote:
+    """An all-reduce in flight; ``wait`` is bounded by the group's timeout."""
+
+    def __init__(self, work: Any, t: torch.Tensor) -> None:
+        self.work, self.t = work, t
+
+    def wait(self) -> int:
+        self.work.wait()
+        return int(self.t.item())
+
+
 class GlooTransport:
     """Transport over a dedicated gloo group spanning every rank."""
 
@@ -78,15 +95,13 @@ class GlooTransport:
         assert work is not None
         return TimedWork(work, self.timeout_s, f"receive from rank {src}")
 
-    def all_min(self, value: int) -> int:
+    def all_min_async(self, value: int) -> VoteHandle:
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        assert work is not None
+        return _MinVote(work, t)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
-        dist.broadcast(tensor, src, group=group or self.group)

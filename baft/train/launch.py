@@ -59,6 +59,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     ):
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "timeline", ignore_errors=True)
+    shutil.rmtree(out / "progress", ignore_errors=True)
     ck = cfg.checkpoint
     if ck is not None:
         ck.job_id = ck.job_id or default_job_id(cfg.out_dir)

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from baft.config import TrainConfig
-from baft.engine.watchdog import start_watchdog
 from baft.pipeline.mesh import init_mesh
 from baft.pipeline.step import StepResult, combine_digests
 from baft.train.progress import Progress
@@ -63,31 +62,17 @@ def _truncate_metrics(path: Path, resume: int) -> list[float]:
     return [m["loss"] for m in kept]
 
 
-def _ckpt_metrics(engine: Any) -> dict[str, Any]:
-    if engine is None:
-        return {}
-    return dict(engine.last_metrics)
-
-
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg`` on this process's rank; returns the summary (on every rank)."""
     torch.set_num_threads(1)
-    t_launch = time.time()
     timeout_s = cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0
     mesh = init_mesh(cfg.parallel, timeout_s=timeout_s)
-    t_rdzv = time.time()
-    trainer = Trainer(cfg, mesh)
-    watchdog = start_watchdog(mesh, trainer, timeout_s, cfg.out_dir)
+    trainer = Trainer(cfg, mesh)  # builds the model and protects it through baft.protect
+    ft = trainer.ft
     out = Path(cfg.out_dir)
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     is_main = mesh.rank == 0
-    engine = None
-    resume = 0
-    if cfg.checkpoint is not None:
-        from baft.recover.runtime import recover_and_start
-
-        with watchdog.section("restore"):
-            engine, resume = recover_and_start(cfg, mesh, trainer, t_launch=t_launch, t_rdzv=t_rdzv)
+    resume = ft.restore()
     losses = _truncate_metrics(out / "metrics.jsonl", resume) if is_main else []
     timeline_file = open(out / "timeline" / f"rank{mesh.rank}.jsonl", "a")  # noqa: SIM115
     metrics_file = open(out / "metrics.jsonl", "a") if is_main else None  # noqa: SIM115
@@ -95,25 +80,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.time()
     try:
         for it in range(resume, cfg.num_iterations):
-            with watchdog.section(f"iteration {it}"):
-                res = trainer.train_step(it)
-                m = _gather_metrics(trainer, res)
+            res = trainer.train_step(it)
+            m = _gather_metrics(trainer, res)
             timeline_file.write(json.dumps(res.timeline.to_json()) + "\n")
             timeline_file.flush()
-            m.update(_ckpt_metrics(engine))
+            m.update(ft.metrics)
             losses.append(m["loss"])
             if metrics_file is not None:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
-            if engine is not None and it == resume and engine.recovery is not None:
-                engine.recovery.first_iteration_done(is_main)
             progress.update(it + 1, m["loss"], m["iter_s"])
-        if engine is not None:
-            with watchdog.section("close"):
-                engine.close()
+        ft.close()
         rank_digests = trainer.rank_digests()
         digest = combine_digests(rank_digests)
-        watchdog.stop()  # a finished rank is no hang (not on errors: no delay there)
     finally:
         progress.close()
         timeline_file.close()

@@ -41,7 +41,7 @@ def _trainer(rank: int, world: int, root: str) -> Any:
         out_dir=root,
     )
     trainer = Trainer(cfg, init_mesh(cfg.parallel))
-    trainer.train_step(0)
+    trainer.run_step(0)
     return trainer
 
 
@@ -74,13 +74,13 @@ def _snapshot_restore(trainer: Any, root: str, mode: str) -> dict[str, Any]:
     hooks = make_peer(mode, trainer, Path(out_dir) / "ckpt", out_dir=out_dir, ranks_per_node=1)
     _record_saver(hooks, root)
     trainer.hooks = hooks
-    trainer.train_step(1)  # the mode snapshots the state after this step
+    trainer.run_step(1)  # the mode snapshots the state after this step
     trainer.hooks, hooks.enabled = None, False  # as the bench switches a mode off
     hooks.drain()
     snap = trainer.state_digests()
     model_snap = _digests({k: v for m in trainer.modules for k, v in m.state_dict().items()})
     metrics = dict(hooks.last_metrics)
-    trainer.train_step(2)  # the live state moves on
+    trainer.run_step(2)  # the live state moves on
     moved = trainer.state_digests() != snap
     out: dict[str, Any] = {"moved": moved, "metrics": metrics, "model_snap": model_snap}
     if mode == "lm-resiliency":
@@ -117,7 +117,7 @@ def _adapters_then_crash(rank: int, world: int, root: str) -> None:
     )
     _record_saver(hooks, root)
     trainer.hooks = hooks
-    trainer.train_step(3)
+    trainer.run_step(3)
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
 

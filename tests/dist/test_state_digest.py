@@ -21,7 +21,7 @@ def _digests(rank: int, world: int, out: str) -> dict[str, Any]:
     cfg = tiny_config(Path(out), num_dp=2, num_pp=1, num_microbatches=1)
     mesh = init_mesh(ParallelConfig(num_dp=2, num_pp=1, num_microbatches=1))
     trainer = Trainer(cfg, mesh)
-    trainer.train_step(0)
+    trainer.run_step(0)
     result: dict[str, Any] = {
         "same": trainer.rank_digests(),
         "names": len(trainer.state_digests()),

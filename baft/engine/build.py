@@ -1,0 +1,125 @@
+"""The one place that builds a rank's checkpoint engine and its collaborators.
+
+:func:`build_engine` makes the transport (a dedicated gloo group), the snapshot store,
+the device copiers, the protect worker, the same-host peer views, the persister and the
+fault injector, and hands them to :class:`~baft.engine.engine.CheckpointEngine`. Its
+collectives (the new groups, the host gather) run here, in the same order on every rank,
+never in a constructor. ``baft.protect`` (users, the reference trainer) and the overhead
+benchmark all build engines through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from baft.config import CheckpointConfig
+from baft.engine.device import ThreadCopy, device_copy_for
+from baft.engine.engine import CheckpointEngine, EngineParts
+from baft.engine.peers import find_same_host_peers
+from baft.engine.persister import Persister
+from baft.engine.transport import GlooTransport, Transport
+from baft.engine.worker import ProtectWorker
+from baft.pipeline.mesh import Mesh
+from baft.pipeline.step import StepRunner
+from baft.store.shm import SnapshotStore
+
+
+class RunnerState:
+    """The engine's :class:`~baft.engine.engine.StateSource` for a step runner: its
+    parameters and optimizer state, plus the CPU RNG state of the version's start."""
+
+    def __init__(self, runner: StepRunner) -> None:
+        runner.init_optimizer_state()
+        self.runner = runner
+        c = runner.mesh.coords
+        self._rng = torch.get_rng_state().clone()
+        self._named = [*runner.named_state(), (f"extra.pp{c.pp}.tp{c.tp}.rng", self._rng)]
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self._named)
+
+    def capture(self) -> None:
+        self._rng.copy_(torch.get_rng_state())
+
+    def apply(self) -> None:
+        torch.set_rng_state(self._rng.clone())
+
+
+def make_injector(ck: CheckpointConfig, run_dir: Path, mesh: Mesh) -> Any:
+    """The fault injector of ``ck.inject`` (None when nothing is injected)."""
+    if not ck.inject:
+        return None
+    from baft.faults.injector import FaultInjector
+    from baft.faults.spec import FaultSpec
+
+    injector = FaultInjector(
+        [FaultSpec.parse(s) for s in ck.inject],
+        run_dir=run_dir,
+        rank=mesh.rank,
+        topology=mesh.topology,
+        store_root=Path(ck.store_root),
+        job_id=ck.job_id,
+    )
+    injector.load()
+    return injector
+
+
+def build_engine(
+    ck: CheckpointConfig,
+    run_dir: str | Path,
+    mesh: Mesh,
+    runner: StepRunner,
+    *,
+    engine_cls: type[CheckpointEngine] = CheckpointEngine,
+    transport: Transport | None = None,
+    persist: bool = True,
+) -> CheckpointEngine:
+    """Build the engine of this rank and install it as ``runner``'s hooks. Collective.
+
+    ``engine_cls`` swaps the scheduling (the naive-async benchmark baseline);
+    ``persist=False`` builds no DCP persister (benchmarks)."""
+    run_dir = Path(run_dir)
+    transport = transport or GlooTransport(ck.timeout_s)
+    store = SnapshotStore(
+        Path(ck.store_root), ck.job_id, mesh.topology.node_of(mesh.rank), mesh.rank, ck.budget_bytes
+    )
+    thread_copy = ck.snapshot_copy == "thread"
+    copier = device_copy_for(mesh.device, emulated=thread_copy)
+    # Copies that fit no bubble never stall the host either: with a synchronous copier
+    # (CPU training) they go to a copy thread started at the iteration's start, where
+    # they overlap compute as naive-async's would (bubble-aware is never worse).
+    spill_copier = copier if copier.asynchronous else ThreadCopy()
+    # Host-side protect work waits for bubbles only when the host also computes.
+    gated = mesh.device.type == "cpu" and not thread_copy and engine_cls.bubble_aware
+    worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
+    peers = find_same_host_peers(transport, store.path, enabled=ck.exchange == "auto")
+    policy = ck.policy()
+    persister = None
+    if persist and ck.persist_dir and policy.persist_every:
+        persister = Persister(
+            ck.persist_dir,
+            keep_latest=policy.keep_latest,
+            process_group=dist.new_group(backend="gloo"),
+            rank=mesh.rank,
+            timeout_s=ck.timeout_s * 10,
+        )
+    parts = EngineParts(
+        store=store,
+        transport=transport,
+        copier=copier,
+        spill_copier=spill_copier,
+        worker=worker,
+        peers=peers,
+        persister=persister,
+        injector=make_injector(ck, run_dir, mesh),
+    )
+    engine = engine_cls(
+        ck, run_dir, topology=mesh.topology, rank=mesh.rank, device=mesh.device,
+        state=RunnerState(runner), parts=parts,
+    )  # fmt: skip
+    runner.hooks = engine
+    return engine
