@@ -1,0 +1,243 @@
+"""Imports point down the layers of DESIGN.md §4, no module imports itself in a circle,
+and only ``baft.cli`` parses arguments.
+
+A small AST pass over every module under ``baft/`` (no dependency: grimp/import-linter
+would do the same graph, but the check is ~100 lines and has to know the repository's
+own rules anyway). Every import counts: top level, inside functions, under
+``TYPE_CHECKING``, and ``importlib.import_module("baft....")`` with a literal name.
+
+``KNOWN_VIOLATIONS`` lists the (importer, imported) pairs that break a rule today. The
+test fails when a pair not in it appears and when one in it no longer occurs, so the set
+can only shrink: when you fix one, delete its line.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "baft"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("cli",),
+    ("bench", "demo"),
+    ("train",),
+    ("<face>",),
+    ("api",),
+    ("recover",),
+    ("engine",),
+    ("pipeline", "model"),
+    ("sim", "faults", "config"),
+    ("store", "profile"),
+    ("plan", "topology"),
+)
+"""Top to bottom, as in DESIGN.md §4 ("Imports only point down the list's layers"): a
+module may import its own layer and the layers below. Names are the first component
+under ``baft.``; ``<face>`` is ``baft/__init__.py``, the public face, which may import
+only ``api`` and ``config`` (``FACE_MAY_IMPORT``) and sits above the library it exposes."""
+
+FACE_MAY_IMPORT = frozenset({"api", "config"})
+ARGPARSE_ONLY_IN = "cli"
+"""All argument parsing lives in ``baft/cli/`` (DESIGN.md §4)."""
+
+KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
+    {
+        # import circle bench.overhead <-> bench.peers (lead: bench/ split, issue 12)
+        ("baft.bench.overhead", "baft.bench.peers"),
+        ("baft.bench.peers", "baft.bench.overhead"),
+        # api reads baft.T_IMPORT from the public face: a climb and a circle (lead, issue 12)
+        ("baft.api", "baft"),
+        ("baft", "baft.api"),
+        # benchmark subcommands still parse their own flags (move to baft/cli/bench.py)
+        ("baft.bench.recovery", "argparse"),
+        ("baft.bench.scale", "argparse"),
+    }
+)
+"""(importer, imported) pairs that break a rule today. Only ever delete lines."""
+
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under ``baft/``."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imported_names(module: str, path: Path) -> Iterator[str]:
+    """Every dotted name an import statement (or literal import_module) in the file names;
+    ``from a import b`` yields ``a.b``, resolved to ``a`` later when ``b`` is no module."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            yield node.args[0].value
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> baft modules it imports, module -> third-party top-level names)."""
+    files = module_files()
+    internal: dict[str, set[str]] = {m: set() for m in files}
+    external: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        for name in _imported_names(module, path):
+            if name != "baft" and not name.startswith("baft."):
+                external[module].add(name.split(".")[0])
+                continue
+            while name not in files:  # "from pkg import attr": the module is pkg
+                name = name.rpartition(".")[0]
+            if name != module:
+                internal[module].add(name)
+    return internal, external
+
+
+def layer_name(module: str) -> str:
+    return "<face>" if module == "baft" else module.split(".")[1]
+
+
+def climbs(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports from a layer to one above it (and from the face beyond api/config)."""
+    out = set()
+    for importer, imported in ((a, b) for a, bs in graph.items() for b in bs):
+        src, dst = layer_name(importer), layer_name(imported)
+        if src == "<face>":
+            bad = dst not in FACE_MAY_IMPORT
+        else:
+            bad = LAYER_OF[dst] < LAYER_OF[src]
+        if bad:
+            out.add((importer, imported))
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    comp.add(member)
+                    if member == node:
+                        break
+                if len(comp) > 1:
+                    found.append(comp)
+    return found
+
+
+def violations() -> dict[tuple[str, str], list[str]]:
+    """Every rule break as (importer, imported) -> the rules it breaks."""
+    graph, external = import_graph()
+    out: dict[tuple[str, str], list[str]] = {}
+    for pair in climbs(graph):
+        out.setdefault(pair, []).append(
+            f"climbs from {layer_name(pair[0])} up to {layer_name(pair[1])}"
+        )
+    for comp in cycles(graph):
+        circle = ", ".join(sorted(comp))
+        for a in sorted(comp):
+            for b in sorted(graph[a] & comp):
+                out.setdefault((a, b), []).append(f"import circle among {{{circle}}}")
+    for module, names in external.items():
+        if "argparse" in names and layer_name(module) != ARGPARSE_ONLY_IN:
+            out.setdefault((module, "argparse"), []).append("argument parsing outside baft/cli")
+    return out
+
+
+def test_every_package_has_a_layer() -> None:
+    unplaced = sorted({layer_name(m) for m in module_files()} - set(LAYER_OF))
+    assert not unplaced, f"add {unplaced} to LAYERS in {__file__} (see DESIGN.md §4)"
+
+
+def test_imports_point_down_without_circles() -> None:
+    found = violations()
+    new = sorted(set(found) - KNOWN_VIOLATIONS)
+    gone = sorted(KNOWN_VIOLATIONS - set(found))
+    lines = [f"  {a} imports {b}: {'; '.join(found[(a, b)])}" for a, b in new]
+    if lines:
+        order = " -> ".join("/".join(names) for names in LAYERS)
+        lines.insert(0, f"new import violations (DESIGN.md §4, top to bottom: {order}):")
+    if gone:
+        lines.append("fixed, so delete from KNOWN_VIOLATIONS in tests/unit/test_layers.py:")
+        lines += [f"  {pair!r}," for pair in gone]
+    assert not lines, "\n".join(lines)
+
+
+def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """A climb in a function, one under TYPE_CHECKING, a relative one and a literal
+    import_module are all found; an attribute import resolves to its module."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import importlib\n"
+        "from . import coordinator\n"
+        "from baft.plan import types\n"
+        "if TYPE_CHECKING:\n"
+        "    from baft.engine.engine import CheckpointEngine\n"
+        "def f():\n"
+        "    from baft.train.worker import main\n"
+        "    importlib.import_module('baft.cli')\n"
+    )
+    path = tmp_path / "fake.py"
+    path.write_text(source)
+    names = set(_imported_names("baft.recover.fake", path))
+    assert {
+        "baft.recover.coordinator",
+        "baft.plan.types",
+        "baft.engine.engine.CheckpointEngine",
+        "baft.train.worker.main",
+        "baft.cli",
+    } <= names
+    graph = {
+        "baft.recover.fake": {"baft.train.worker", "baft.engine.engine", "baft.plan.types"},
+        "baft.train.worker": {"baft.recover.fake"},
+        "baft.engine.engine": set(),
+        "baft.plan.types": set(),
+    }
+    assert climbs(graph) == {("baft.recover.fake", "baft.train.worker")}
+    assert cycles(graph) == [{"baft.recover.fake", "baft.train.worker"}]
