@@ -298,7 +298,9 @@ def write_results(
     return path
 
 
-def measure_overhead(cfg: OverheadConfig, *, timeout_s: float) -> tuple[dict, dict]:
+def measure_overhead(
+    cfg: OverheadConfig, *, timeout_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run the benchmark of ``cfg`` in one torchrun job; returns ``(summary, raw)``.
 
     Engine modes are left out (with a note on stderr, and under ``skipped`` in the raw

@@ -1,4 +1,4 @@
-"""``baft simulate`` and ``baft plan --preset``: what-if checkpointing at cluster scale.
+"""What-if checkpointing at cluster scale: the arithmetic of ``baft simulate`` and ``baft plan``.
 
 ``simulate`` compares three ways to checkpoint every iteration (or as often as each
 affords) on a simulated pipeline: ``baft`` (plan snapshot D2H copies and redundancy sends

@@ -22,6 +22,7 @@ from baft.topology import Topology
             ["train", "--schedule", "interleaved-1f1b", "--microbatches", "3", "--batch", "12"],
             "divisible by --pp",
         ),
+        (["demo", "--kill-at", "2"], "need 3 < --kill-at < --node-loss-at < --iterations"),
     ],
 )
 def test_bad_input_is_one_line_error(
