@@ -150,6 +150,10 @@ class CheckpointConfig:
     """Timeout of every collective and transfer: how long a hung peer can stall the job."""
     max_restarts: int = 3
     """torchrun worker-group restarts before giving up."""
+    allow_fresh_start: bool = False
+    """Whether a run that shows progress (its run directory's progress record, or
+    snapshots of the job in a store) may start over from iteration 0 when nothing can be
+    restored from memory or DCP. False: that is an error, never a silent restart."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see baft.faults), e.g. ["kill:rank=1,iter=7"]."""
     host_work: str = "auto"
@@ -183,6 +187,10 @@ class CheckpointConfig:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
         if self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes={self.budget_bytes} must be > 0")
+        if not isinstance(self.allow_fresh_start, bool):
+            raise ValueError(
+                f"allow_fresh_start must be true or false, got {self.allow_fresh_start!r}"
+            )
         if topology is not None:
             from baft.store.coding import Redundancy, coding_groups
 

@@ -2,20 +2,30 @@
 
 from baft.recover.coordinator import (
     Decode,
+    LocatedInventory,
     PieceTransfer,
     RecoveryPlan,
     ShardSource,
+    StoreRef,
+    TopologyMismatchError,
     VersionAssessment,
     assess_version,
     coordinate,
+    coordinate_located,
+    reader_of,
 )
 
 __all__ = [
     "Decode",
+    "LocatedInventory",
     "PieceTransfer",
     "RecoveryPlan",
     "ShardSource",
+    "StoreRef",
+    "TopologyMismatchError",
     "VersionAssessment",
     "assess_version",
     "coordinate",
+    "coordinate_located",
+    "reader_of",
 ]

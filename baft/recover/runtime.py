@@ -32,13 +32,20 @@ import numpy as np
 import torch
 
 from baft.engine.engine import CheckpointEngine
+from baft.engine.peers import host_id
 from baft.engine.persister import list_versions, load_version, persist_name
 from baft.engine.transport import Handle, Transport
 from baft.engine.watchdog import read_hangs
-from baft.recover.coordinator import RecoveryPlan, coordinate
+from baft.recover.coordinator import (
+    LocatedInventory,
+    RecoveryPlan,
+    StoreRef,
+    coordinate_located,
+    reader_of,
+)
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, checksum
-from baft.store.shm import SnapshotStore, StoreReadError
+from baft.store.shm import SnapshotStore, StoreReadError, find_stores, job_path
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
@@ -79,24 +86,30 @@ class RecoveryReport:
             )
 
 
-PROGRESS_FILE = "progress.json"
-"""The run's one progress record: the last iteration whose step finished (rank 0 writes it
-after every step through ``baft.protect``); a recovery counts the iterations it loses."""
+PROGRESS_DIR = "progress"
+"""The run's one progress record: per rank, the last iteration whose step it finished
+(``baft.protect`` writes it after every step). The job finished an iteration when every
+rank did; a recovery counts the iterations it loses against that."""
 
 
-def write_progress(run_dir: Path, iteration: int) -> None:
-    """Record that ``iteration`` finished (atomically: a crash leaves the old record)."""
-    tmp = run_dir / (PROGRESS_FILE + ".tmp")
-    tmp.write_text(json.dumps({"iteration": iteration}))
-    tmp.replace(run_dir / PROGRESS_FILE)
+def write_progress(run_dir: Path, rank: int, iteration: int) -> None:
+    """Record that this rank finished ``iteration`` (atomic: a crash keeps the old record)."""
+    d = run_dir / PROGRESS_DIR
+    d.mkdir(exist_ok=True)
+    tmp = d / f".rank{rank}.tmp"
+    tmp.write_text(str(iteration))
+    tmp.replace(d / f"rank{rank}")
 
 
-def _completed_iterations(run_dir: Path) -> int:
-    """Iterations the run finished before this start (0 for a new run)."""
-    try:
-        return int(json.loads((run_dir / PROGRESS_FILE).read_text())["iteration"]) + 1
-    except (OSError, json.JSONDecodeError, KeyError, ValueError, TypeError):
-        return 0
+def _completed_iterations(run_dir: Path, world_size: int) -> int:
+    """Iterations every rank finished before this start (0 for a new run)."""
+    done = []
+    for r in range(world_size):
+        try:
+            done.append(int((run_dir / PROGRESS_DIR / f"rank{r}").read_text()))
+        except (OSError, ValueError):
+            done.append(-1)
+    return min(done, default=-1) + 1
 
 
 def recover_and_start(
@@ -115,15 +128,13 @@ def recover_and_start(
     persisted = (
         tuple(list_versions(persist_dir)) if persist_dir and Path(persist_dir).exists() else ()
     )
-    plan, reason, invs = _agree(
-        engine.store, engine.transport, engine.topology, engine.redundancy, persisted
+    stores = HostStores(engine.store, host_id())
+    plan, reason, located = _agree(
+        stores, engine.transport, engine.topology, engine.redundancy, persisted
     )
     t_inventory = time.time() - t0
-    if (
-        plan.source == "fresh"
-        and attempt == 0
-        and all(i is None or not i.versions for i in invs.values())
-    ):
+    _never_silently_fresh(plan, reason, located, run_dir, ck.allow_fresh_start, engine.rank)
+    if plan.source == "fresh" and attempt == 0 and not located.holds_shards():
         engine.start(0)
         return 0, None
     report = RecoveryReport(run_dir, attempt)
@@ -131,7 +142,7 @@ def recover_and_start(
         injector.fire("recovery", plan.version or 0)
     t1 = time.time()
     if plan.source == "memory":
-        shard = _rebuild_shard(engine.store, engine.transport, engine.rank, plan)
+        shard = _rebuild_shard(stores, engine.transport, engine.rank, plan)
         t_transfer = time.time() - t1
         t2 = time.time()
         _load_from_shards(engine, plan, shard)
@@ -144,8 +155,9 @@ def recover_and_start(
         t_transfer = 0.0
         t2 = time.time()
     t_load = time.time() - t2
+    reclaimed = _reclaim(stores, engine.transport, engine.topology, plan, located)
     resume = plan.version or 0
-    completed = _completed_iterations(run_dir)
+    completed = _completed_iterations(run_dir, engine.topology.world_size)
     fault_times = [r.time for r in injector.fired_records()] if injector is not None else []
     report.record.update(
         restored_version=plan.version,
@@ -155,6 +167,11 @@ def recover_and_start(
         sources={str(r): s.kind for r, s in plan.shards.items()} if plan.source == "memory" else {},
         reason=reason,
     )
+    if plan.source == "memory":
+        report.record["origins"] = {str(r): o for r, o in plan.origins().items()}
+        report.record["hosts"] = {str(r): h for r, h in located.hosts.items()}
+    if reclaimed:
+        report.record["reclaimed"] = reclaimed
     if fault_times:
         report.phase("detect_restart", t_launch - max(fault_times))
     _report_hang(report, run_dir, attempt, t_launch)
@@ -165,10 +182,97 @@ def recover_and_start(
     report.phase("load", t_load)
     if engine.rank == 0:
         log.info("recovery: %s", reason)
-    engine.store.drop_read_cache()
+    stores.drop_read_caches()
     engine.start(resume, restored_version=plan.version if plan.source == "memory" else None)
     report.first_iteration_started()
     return resume, report
+
+
+def _never_silently_fresh(
+    plan: RecoveryPlan,
+    reason: str,
+    located: Located,
+    run_dir: Path,
+    allow_fresh_start: bool,
+    rank: int,
+) -> None:
+    """A job that made progress never starts over without saying so: falling back to DCP
+    while stores hold snapshots is logged loudly (with why each memory version failed), and
+    a fresh start after progress raises unless ``allow_fresh_start``. Same outcome on every
+    rank (all see the same plan and run directory)."""
+    shards = located.holds_shards()
+    if plan.source == "disk" and shards and rank == 0:
+        log.warning("snapshots in memory cannot be restored, falling back to DCP: %s", reason)
+    if plan.source != "fresh":
+        return
+    done = _progress_seen(run_dir)
+    if not shards and not done:
+        return
+    seen = []
+    if done:
+        seen.append(f"{run_dir} records progress up to iteration {done - 1}")
+    if shards:
+        where = sorted({str(loc.store) for loc in located.stores if loc.inventory.versions})
+        seen.append(f"stores hold snapshots of the job ({', '.join(where)})")
+    if allow_fresh_start:
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0 as allowed (allow_fresh_start): %s; %s",
+                " and ".join(seen),
+                reason,
+            )
+        return
+    raise RestoreError(
+        f"refusing to start over silently: {' and '.join(seen)}, but nothing can be "
+        f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on, or set "
+        "CheckpointConfig.allow_fresh_start=True to start from iteration 0."
+    )
+
+
+def _progress_seen(run_dir: Path) -> int:
+    """1 + the newest iteration any rank recorded as finished (0: no progress recorded)."""
+    newest = -1
+    for f in (run_dir / PROGRESS_DIR).glob("rank*"):
+        try:
+            newest = max(newest, int(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return newest + 1
+
+
+def _reclaim(
+    stores: HostStores,
+    transport: Transport,
+    topology: Topology,
+    plan: RecoveryPlan,
+    located: Located,
+) -> list[str]:
+    """Free the memory of this job's stores on this host that no current rank writes and
+    no later restore needs, once every rank is done reading: after a restore from memory,
+    the ones holding no copy of the restored version (a store holding it keeps only that
+    version, until the job's own stores commit a newer one and ``reclaim_foreign`` frees
+    it); after DCP or a fresh start, all of them. The own store of a current rank is left
+    to its engine. Stores of other jobs on this host that no live process holds and that
+    were idle long enough go too (``SnapshotStore.reclaim_other_jobs``). Collective (one
+    small gather as a barrier); the host's lowest rank removes."""
+    transport.all_gather_object(None)  # every rank has read what it needs
+    host = stores.host
+    here = [r for r, h in located.hosts.items() if h == host]
+    if not stores.scan or min(here) != transport.rank:
+        return []
+    own = {(topology.node_of(r), r) for r in here}
+    keep_version = plan.version if plan.source == "memory" else None
+    removed = []
+    for ref in stores.refs():
+        if (ref.node, ref.rank) in own:
+            continue  # a current rank's own store on this host
+        if stores.get(ref).reclaim_unless_holding(keep_version):
+            removed.append(str(ref))
+    old_jobs = SnapshotStore.reclaim_other_jobs(stores.own.root, stores.own.job_id)
+    removed += [f"{host}:{p.name}" for p in old_jobs]
+    if removed:
+        log.info("reclaimed %d store(s) no rank needs any more: %s", len(removed), removed)
+    return removed
 
 
 def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: float) -> None:
@@ -189,39 +293,103 @@ def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: 
     report.phase("restart", t_launch - first["detected_at"])
 
 
+class HostStores:
+    """The stores of one job this process may read: its own, and with a ``host`` every
+    other rank directory of the job in this host's store root (shards left by an earlier
+    rank numbering, or by ranks now on this host). Without a host only the own store
+    counts (each rank its own failure domain, as tests that share one root play it)."""
+
+    def __init__(self, own: SnapshotStore, host: str | None = None) -> None:
+        self.own = own
+        self.host = host if host is not None else f"rank{own.rank}"
+        self.scan = host is not None
+        self._open: dict[tuple[int, int], SnapshotStore] = {}
+
+    def refs(self) -> list[StoreRef]:
+        """Every store directory of the job on this host (the own one if it exists)."""
+        if not self.scan:
+            return [self._ref(self.own.node, self.own.rank)] if self.own.path.exists() else []
+        job = job_path(self.own.root, self.own.job_id)
+        return [self._ref(a.node, a.rank) for a in find_stores(job) if a.job_id == self.own.job_id]
+
+    def _ref(self, node: int, rank: int) -> StoreRef:
+        return StoreRef(self.host, node, rank)
+
+    def get(self, ref: StoreRef | None) -> SnapshotStore:
+        """The store ``ref`` names (None: the own store)."""
+        if ref is None or (ref.node, ref.rank) == (self.own.node, self.own.rank):
+            return self.own
+        if ref.host != self.host:
+            raise RestoreError(f"rank {self.own.rank} on {self.host} cannot read store {ref}")
+        key = (ref.node, ref.rank)
+        if key not in self._open:
+            self._open[key] = SnapshotStore(self.own.root, self.own.job_id, ref.node, ref.rank, 0)
+        return self._open[key]
+
+    def inventories(
+        self, refs: list[StoreRef], verify: bool
+    ) -> list[tuple[StoreRef, RankInventory]]:
+        return [(ref, self.get(ref).inventory(verify=verify)) for ref in refs]
+
+    def drop_read_caches(self) -> None:
+        self.own.drop_read_cache()
+        for s in self._open.values():
+            s.close()
+        self._open.clear()
+
+
 def _agree(
-    store: SnapshotStore,
+    stores: SnapshotStore | HostStores,
     transport: Transport,
     topology: Topology,
     redundancy: Redundancy,
     persisted: tuple[int, ...],
-) -> tuple[RecoveryPlan, str, dict[int, RankInventory | None]]:
+) -> tuple[RecoveryPlan, str, Located]:
     """Agree on a RecoveryPlan, checksumming only the bytes the plan will read.
 
+    The hosts of all ranks are gathered first; each store on a host is then inventoried by
+    one rank (``reader_of``: its own rank if that runs there, else the host's lowest).
     Round 1 trusts every complete manifest, plans, and each rank verifies just what the
-    plan reads from its store (its shard if local, the ranges and regions it sends).
+    plan reads from the stores it reads (a local shard, the ranges and regions it sends).
     If all of that is clean the plan stands; otherwise round 2 verifies everything and
     plans again. A rank crash thus checks one shard per rank instead of both slots of
     data and redundancy (4x fewer bytes), and a bad byte still never gets through.
-    Collective over ``transport``: every rank calls it with its own store.
+    Collective over ``transport``.
     """
-    exists = store.path.exists()
-    light = store.inventory(verify=False) if exists else None
-    claimed = dict(enumerate(transport.all_gather_object(_claim(light))))
-    plan, reason = coordinate(topology, redundancy, claimed, persisted)
-    problems = _verify_reads(store, transport.rank, plan) if plan.source == "memory" else []
+    host_stores = stores if isinstance(stores, HostStores) else HostStores(stores)
+    me = transport.rank
+    hosts = dict(enumerate(transport.all_gather_object(host_stores.host)))
+    mine = [ref for ref in host_stores.refs() if reader_of(ref, hosts) == me]
+    light = [(ref, _claim(inv)) for ref, inv in host_stores.inventories(mine, verify=False)]
+    located = Located(hosts, _gathered(transport.all_gather_object(light)))
+    plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
+    problems = _verify_reads(host_stores, me, plan) if plan.source == "memory" else []
     if not any(transport.all_gather_object(problems)):
-        return plan, reason, claimed
-    full = store.inventory(verify=True) if exists else None
-    invs = dict(enumerate(transport.all_gather_object(full)))
-    plan, reason = coordinate(topology, redundancy, invs, persisted)
-    return plan, reason, invs
+        return plan, reason, located
+    full = host_stores.inventories(mine, verify=True)
+    located = Located(hosts, _gathered(transport.all_gather_object(full)))
+    plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
+    return plan, reason, located
 
 
-def _claim(inv: RankInventory | None) -> RankInventory | None:
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """What the agreement saw: every rank's host and every store on any host."""
+
+    hosts: dict[int, str]
+    stores: list[LocatedInventory]
+
+    def holds_shards(self) -> bool:
+        """Whether any store holds any version of the job (complete or not)."""
+        return any(loc.inventory.versions for loc in self.stores)
+
+
+def _gathered(per_rank: list[Any]) -> list[LocatedInventory]:
+    return [LocatedInventory(ref, inv) for part in per_rank for ref, inv in part]
+
+
+def _claim(inv: RankInventory) -> RankInventory:
     """An unverified inventory whose complete versions are taken at their word."""
-    if inv is None:
-        return None
     versions = tuple(
         dataclasses.replace(v, verified=True, data_ok=True, bad_regions=())
         if v.state == "complete" and v.manifest is not None
@@ -231,43 +399,45 @@ def _claim(inv: RankInventory | None) -> RankInventory | None:
     return dataclasses.replace(inv, versions=versions)
 
 
-def _verify_reads(store: SnapshotStore, rank: int, plan: RecoveryPlan) -> list[str]:
-    """Checksum the store bytes this rank contributes to ``plan``; returns the problems."""
-    data_slots: set[int] = set()
-    region_ids: dict[int, set[int]] = {}
+def _verify_reads(stores: HostStores, rank: int, plan: RecoveryPlan) -> list[str]:
+    """Checksum the store bytes this rank reads for ``plan``; returns the problems."""
+    data_slots: set[tuple[StoreRef | None, int]] = set()
+    region_ids: dict[tuple[StoreRef | None, int], set[int]] = {}
     src = plan.shards.get(rank)
     if src is not None and src.kind == "local" and src.slot is not None:
-        data_slots.add(src.slot)
+        data_slots.add((src.store, src.slot))
     for t in plan.transfers:
         if t.src_rank == rank and t.kind == "shard":
-            data_slots.add(t.src_slot)
+            data_slots.add((t.src_store, t.src_slot))
         elif t.src_rank == rank:
-            region_ids.setdefault(t.src_slot, set()).add(t.region_id)
+            region_ids.setdefault((t.src_store, t.src_slot), set()).add(t.region_id)
     problems: list[str] = []
-    for slot in sorted(data_slots | set(region_ids)):
+    for ref, slot in sorted(data_slots | set(region_ids), key=lambda k: (str(k[0]), k[1])):
+        store = stores.get(ref)
+        where = f"rank {rank} store {ref or store.path.name} slot {slot}"
         m = store.read_manifest(slot)
         if m is None or m.version != plan.version:
-            problems.append(f"rank {rank} slot {slot}: v{plan.version} is not there")
+            problems.append(f"{where}: v{plan.version} is not there")
             continue
         try:
-            if slot in data_slots:
+            if (ref, slot) in data_slots:
                 data = store.read(slot, "data", 0, m.data_nbytes)
                 problems += [
-                    f"rank {rank} v{m.version} chunk {c.chunk_id}: checksum mismatch"
+                    f"{where} v{m.version} chunk {c.chunk_id}: checksum mismatch"
                     for c in m.chunks
                     if checksum(data[c.offset : c.offset + c.nbytes]) != c.xxh3
                 ]
-            wanted = region_ids.get(slot, set())
+            wanted = region_ids.get((ref, slot), set())
             if wanted:
                 red = store.read(slot, "red", 0, m.red_nbytes)
                 problems += [
-                    f"rank {rank} v{m.version} region {r.region_id}: checksum mismatch"
+                    f"{where} v{m.version} region {r.region_id}: checksum mismatch"
                     for r in m.regions
                     if r.region_id in wanted
                     and checksum(red[r.offset : r.offset + r.nbytes]) != r.xxh3
                 ]
         except StoreReadError as err:
-            problems.append(f"rank {rank} v{m.version}: {err}")
+            problems.append(f"{where} v{m.version}: {err}")
     return problems
 
 
@@ -279,21 +449,26 @@ def _read(store: SnapshotStore, slot: int, kind: str, offset: int, nbytes: int) 
 
 
 def _rebuild_shard(
-    store: SnapshotStore, transport: Transport, rank: int, plan: RecoveryPlan
+    stores: SnapshotStore | HostStores, transport: Transport, rank: int, plan: RecoveryPlan
 ) -> np.ndarray:
-    """This rank's shard of ``plan.version``: local read, or peer pieces + decode.
+    """This rank's shard of ``plan.version``: local read, or peer pieces (+ decode).
 
     Collective over ``transport`` (tags = position in ``plan.transfers``). A peer that dies
     mid-transfer makes the wait raise (the transport's timeout or its failure signal),
     re-raised as a :class:`RestoreError` naming the transfer."""
+    host_stores = stores if isinstance(stores, HostStores) else HostStores(stores)
     handles = []
     received: dict[int, np.ndarray] = {}
     for tag, t in enumerate(plan.transfers):
         if t.src_rank == rank:
             kind = "data" if t.kind == "shard" else "red"
-            buf = torch.from_numpy(_read(store, t.src_slot, kind, t.offset, t.nbytes))
+            src = _read(host_stores.get(t.src_store), t.src_slot, kind, t.offset, t.nbytes)
+            if t.dst_rank == rank:  # a store on this rank's own host: no message
+                received[tag] = src
+                continue
+            buf = torch.from_numpy(src)
             handles.append((transport.isend(buf, t.dst_rank, tag), t))
-        if t.dst_rank == rank:
+        elif t.dst_rank == rank:
             rbuf = torch.empty(t.nbytes, dtype=torch.uint8)
             handles.append((transport.irecv(rbuf, t.src_rank, tag), t))
             received[tag] = rbuf.numpy()
@@ -309,7 +484,12 @@ def _rebuild_shard(
     n = plan.shard_nbytes[rank]
     if source.kind == "local":
         assert source.slot is not None
-        return _read(store, source.slot, "data", 0, n)
+        return _read(host_stores.get(source.store), source.slot, "data", 0, n)
+    if source.kind == "remote":  # the whole shard, moved from another host's memory
+        if n == 0:
+            return np.zeros(0, np.uint8)
+        (tag,) = [i for i, t in enumerate(plan.transfers) if t.dst_rank == rank]
+        return received[tag]
     if source.kind == "replica":  # a peer's replica region holds the whole shard
         (rid,) = source.region_ids[:1]
         tag = next(
@@ -332,7 +512,8 @@ def _rebuild_shard(
         if t.dst_rank != rank:
             continue
         if t.kind == "shard":
-            full = shards.setdefault(t.src_rank, np.zeros(plan.shard_nbytes[t.src_rank], np.uint8))
+            owner = t.src_store.rank if t.src_store is not None else t.src_rank
+            full = shards.setdefault(owner, np.zeros(plan.shard_nbytes[owner], np.uint8))
             full[t.offset : t.offset + t.nbytes] = received[tag]
         else:
             region = decode.layout.region(t.region_id)

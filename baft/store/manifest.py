@@ -10,6 +10,7 @@ round-trip) so the pure recovery coordinator can reason about them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -129,6 +130,9 @@ class Manifest:
     """``GroupLayout.digest()`` of the group."""
     meta: dict[str, Any] = field(default_factory=dict)
     """JSON-able extras (RNG, data position, ...); not protected by redundancy."""
+    coords: tuple[int, ...] = ()
+    """``(pp, dp, tp)`` of the shard's owner: what the shard holds, whatever rank or
+    directory it is found under later (empty in manifests written before it was kept)."""
     state: str = "complete"
     """``complete`` (a writing slot has no full manifest)."""
 
@@ -187,6 +191,7 @@ class Manifest:
             group_shard_nbytes=layout.shard_nbytes,
             layout_digest=layout.digest(),
             meta=dict(meta or {}),
+            coords=tuple(dataclasses.astuple(topology.coords(rank))),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +200,7 @@ class Manifest:
         d["regions"] = [[r.region_id, r.offset, r.nbytes, f"{r.xxh3:016x}"] for r in self.regions]
         d["group"] = list(self.group)
         d["group_shard_nbytes"] = list(self.group_shard_nbytes)
+        d["coords"] = list(self.coords)
         d["format"] = FORMAT
         return d
 
@@ -207,6 +213,7 @@ class Manifest:
         d["regions"] = tuple(RegionRecord(a, b, c, int(h, 16)) for a, b, c, h in d["regions"])
         d["group"] = tuple(d["group"])
         d["group_shard_nbytes"] = tuple(d["group_shard_nbytes"])
+        d["coords"] = tuple(d.get("coords", ()))
         return cls(**d)
 
     def check(self) -> None:

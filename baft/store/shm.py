@@ -21,11 +21,13 @@ cache (one private mapping per file, see ``read``), released by ``drop_read_cach
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,7 @@ class SnapshotStore:
         self._sizes: tuple[int, int] | None = None
         self._progress: np.ndarray | None = None
         self._progress_map: mmap.mmap | None = None
+        self._lock_fd = -1
 
     # ------------------------------------------------------------- allocation
     @staticmethod
@@ -175,10 +178,19 @@ class SnapshotStore:
         try:
             if os.fstat(fd).st_size != PAGE:
                 os.ftruncate(fd, PAGE)
-            self._progress_map = mmap.mmap(fd, PAGE)
+            progress_map = mmap.mmap(fd, PAGE)
+            # A shared lock held while this process has the store allocated: the kernel
+            # drops it when the process dies, so ``reclaim_other_jobs`` can tell a live
+            # job's store from an abandoned one without a registry.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            self._lock_fd, fd = fd, -1
+        except BlockingIOError:
+            pass  # someone is reclaiming it right now; the store works without the lock
         finally:
-            os.close(fd)
-        self._progress = np.frombuffer(self._progress_map, np.int64, count=4)
+            if fd >= 0:
+                os.close(fd)
+        self._progress_map = progress_map
+        self._progress = np.frombuffer(progress_map, np.int64, count=4)
         self._progress[:3] = (-1, -1, 0)
 
     def publish(self, version: int, slot: int, covered: int) -> None:
@@ -335,6 +347,9 @@ class SnapshotStore:
     def close(self) -> None:
         """Drop this process's mappings, read cache included (files and contents stay)."""
         self.drop_read_cache()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the liveness lock
+            self._lock_fd = -1
         self._views.clear()
         self._progress = None
         if self._progress_map is not None:
@@ -521,6 +536,67 @@ class SnapshotStore:
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def reclaim_unless_holding(self, version: int | None) -> bool:
+        """Free this store unless it holds a complete ``version``; if it does, keep only
+        that version (other slots' manifests and the commit record now name it alone, so
+        no version of an abandoned timeline can mix into a later restore). Returns
+        whether the store was removed."""
+        keep = None
+        if version is not None:
+            for slot in range(NUM_SLOTS):
+                m = _try(self.read_manifest, slot)
+                if m is not None and m.version == version:
+                    keep = slot
+        if keep is None:
+            self.destroy()
+            return True
+        for slot in range(NUM_SLOTS):
+            if slot != keep:
+                self._manifest_file(slot).unlink(missing_ok=True)
+        self.commit(version)  # type: ignore[arg-type]
+        return False
+
+    @staticmethod
+    def reclaim_foreign(
+        root: Path, job_id: str, own: set[tuple[int, int]], newer_than: int
+    ) -> list[Path]:
+        """Remove the job's stores under ``root`` other than the ``own`` ``(node, rank)``
+        directories when they hold nothing newer than ``newer_than`` (call after the
+        job's own stores committed ``newer_than``: copies kept from a restore are then
+        provably unneeded). Returns what was removed."""
+        removed = []
+        for a in find_stores(job_path(root, job_id)):
+            if (a.node, a.rank) in own:
+                continue
+            store = SnapshotStore(a.root, a.job_id, a.node, a.rank, 0)
+            versions = [_try(store.read_manifest, s) for s in range(NUM_SLOTS)]
+            if all(m is None or m.version <= newer_than for m in versions):
+                store.destroy()
+                removed.append(store.path)
+        return removed
+
+    @staticmethod
+    def reclaim_other_jobs(root: Path, keep_job_id: str, idle_s: float = 3600.0) -> list[Path]:
+        """Remove stores of other jobs under ``root`` that no live process holds (the
+        allocation lock is free in every rank directory) and whose files nobody changed for
+        ``idle_s`` seconds (a job between torchrun restarts holds no lock for a moment, but
+        was written to moments ago). Returns the job directories removed."""
+        removed: list[Path] = []
+        root = Path(root)
+        if not root.is_dir():
+            return removed
+        now = time.time()
+        for job in sorted(root.iterdir()):
+            if job.name == keep_job_id or job.is_symlink() or not _is_job_dir(job):
+                continue
+            files = [f for f in job.rglob("*") if f.is_file()]
+            newest = max((f.stat().st_mtime for f in files), default=0.0)
+            if now - newest < idle_s or any(_locked(f) for f in files if f.name == PROGRESS_FILE):
+                continue
+            shutil.rmtree(job, ignore_errors=True)
+            removed.append(job)
+        return removed
+
     @staticmethod
     def remove_node(root: Path, job_id: str, node: int) -> None:
         """Remove every rank store of one node of a job (simulates losing the node)."""
@@ -596,3 +672,18 @@ def _load_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{path}: not a baft record of format {FORMAT}")
     return obj
+
+
+def _locked(path: Path) -> bool:
+    """Whether some live process holds the store lock on ``path`` (see ``_map_progress``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's own lock
+    return False

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from baft.recover.coordinator import coordinate
+from baft.recover.coordinator import TopologyMismatchError, coordinate
 from baft.store.coding import Redundancy, coding_groups
 from baft.topology import Topology
 from tests.unit.test_store_support import fake_inventories
@@ -196,7 +196,7 @@ def test_newer_persisted_version_beats_older_memory_version():
     assert "v=40 from memory is older than persisted v=41" in reason
 
 
-def test_nothing_anywhere_is_a_fresh_start_and_other_topology_is_ignored():
+def test_nothing_anywhere_is_a_fresh_start_and_other_topology_is_an_error():
     red = Redundancy.parse("xor:2")
     plan, reason = coordinate(T4, red, {r: None for r in range(4)})
     assert (plan.version, plan.source) == (None, "fresh")
@@ -206,8 +206,11 @@ def test_nothing_anywhere_is_a_fresh_start_and_other_topology_is_ignored():
     )
     other = Topology(num_pp=4, ranks_per_node=1)
     invs = fake_inventories(other, red, (5,), committed=5)
-    plan, reason = coordinate(T4, red, invs)
-    assert plan.source == "fresh" and "was written under" in reason
+    with pytest.raises(
+        TopologyMismatchError,
+        match="written under pp=4 dp=1 tp=1, but this job runs pp=1 dp=4 tp=1",
+    ):
+        coordinate(T4, red, invs)
 
 
 def test_policy_change_is_reported():

@@ -10,6 +10,7 @@ bit-exact, and a peer that dies mid-transfer must give a clear error, not a hang
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,14 @@ import pytest
 import torch
 
 from baft.engine.local_transport import LocalTransport
-from baft.recover.runtime import RestoreError, _agree, _exchange_replicas, _rebuild_shard
+from baft.recover.runtime import (
+    HostStores,
+    RestoreError,
+    _agree,
+    _exchange_replicas,
+    _rebuild_shard,
+    _reclaim,
+)
 from baft.store.coding import GroupLayout, Redundancy, group_layouts
 from baft.store.manifest import Manifest, chunk_records, region_records
 from baft.store.shm import SnapshotStore
@@ -206,3 +214,127 @@ def test_peer_failing_mid_transfer_is_a_clear_error(tmp_path: Path) -> None:
     err = got[2]
     assert isinstance(err, RestoreError), err
     assert "transfer of v2 rank 3 -> rank 2" in str(err) and "peer rank 3 failed" in str(err)
+
+
+# ---------------------------------------------------------------- several hosts, renumbered
+# Two emulated hosts, each with its own store root (as BAFT_HOST_ID plus a root per host
+# play them in the multi-process tests). The first launch puts ranks 0,1 (node 0) on host
+# "a" and ranks 2,3 (node 1) on host "b"; the relaunch hands the ranks out differently.
+TOPO2 = Topology(num_dp=WORLD, ranks_per_node=2)
+FIRST = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def _write_on_hosts(tmp: Path, code: str) -> Redundancy:
+    red = Redundancy.parse(code)
+    layouts = group_layouts(TOPO2, red, SIZES)
+    stores = [
+        SnapshotStore(tmp / FIRST[r], JOB, TOPO2.node_of(r), r, 1 << 22) for r in range(WORLD)
+    ]
+    for r, s in enumerate(stores):
+        s.allocate(SIZES[r], layouts[r].redundancy_nbytes(r))
+    _write_version(stores, layouts, TOPO2, 1)
+    _write_version(stores, layouts, TOPO2, 2)
+    for s in stores:
+        s.close()
+    return red
+
+
+def _restore_on_hosts(tmp: Path, red: Redundancy, hosts: dict[int, str]) -> list[Any]:
+    def rank(r: int, transport: LocalTransport) -> dict[str, Any]:
+        own = SnapshotStore(tmp / hosts[r], JOB, TOPO2.node_of(r), r, 1 << 22)
+        stores = HostStores(own, hosts[r])
+        plan, reason, located = _agree(stores, transport, TOPO2, red, ())
+        shard = _rebuild_shard(stores, transport, r, plan)
+        full = np.zeros(sum(SIZES.values()), np.uint8)
+
+        def write(pos: int, piece: torch.Tensor) -> None:
+            full[pos : pos + piece.numel()] = piece.numpy()
+
+        _exchange_replicas(transport, TOPO2, r, plan, shard, write)
+        reclaimed = _reclaim(stores, transport, TOPO2, plan, located)
+        stores.drop_read_caches()
+        return {"plan": plan, "reason": reason, "full": full.tobytes(), "reclaimed": reclaimed}
+
+    got = _run_ranks(rank)
+    errors = [g for g in got if isinstance(g, BaseException)]
+    assert not errors, errors
+    return got
+
+
+def _dirs(root: Path) -> list[str]:
+    return sorted(f"{p.parent.name}/{p.name}" for p in root.glob(f"{JOB}/node*/rank*"))
+
+
+def test_renumbered_ranks_take_their_shards_from_the_other_host(tmp_path: Path) -> None:
+    """Both hosts survive but swap rank blocks: every shard moves from the host holding
+    it, read there by the lowest rank, bit-exact; nothing needs a decode."""
+    red = _write_on_hosts(tmp_path, "xor:2")
+    swapped = {0: "b", 1: "b", 2: "a", 3: "a"}
+    got = _restore_on_hosts(tmp_path, red, swapped)
+    for out in got:
+        plan = out["plan"]
+        assert (plan.version, plan.source) == (2, "memory"), out["reason"]
+        assert out["full"] == _state(2)
+        assert {r: (s.kind, s.holders) for r, s in plan.shards.items()} == {
+            0: ("remote", (2,)),  # logical shard 0 sits in host a's node0/rank0, rank 2 reads
+            1: ("remote", (2,)),
+            2: ("remote", (0,)),
+            3: ("remote", (0,)),
+        }
+        assert plan.origins()[0] == {"kind": "remote", "ranks": [2], "stores": ["a:node0/rank0"]}
+    assert "rank 0 (on host b) moved from store a:node0/rank0 by rank 2" in got[0]["reason"]
+    # the copies used stay (holding v2 only) until the new own stores commit a newer one
+    assert got[0]["reclaimed"] == [] and got[2]["reclaimed"] == []
+    a_rank0 = SnapshotStore(tmp_path / "a", JOB, 0, 0, 0)
+    assert [a_rank0.read_manifest(s) is not None for s in (0, 1)].count(True) == 1
+    assert a_rank0.committed_version() == 2
+    removed = SnapshotStore.reclaim_foreign(tmp_path / "a", JOB, {(1, 2), (1, 3)}, newer_than=2)
+    assert sorted(p.name for p in removed) == ["rank0", "rank1"] and _dirs(tmp_path / "a") == []
+
+
+def test_replacement_host_sorting_first_rebuilds_from_parity_on_the_survivor(
+    tmp_path: Path,
+) -> None:
+    """Host a dies with its memory; replacement host c joins and torchrun gives the
+    survivor b the low ranks. Logical shards 2,3 (on b) move to ranks 2,3 now on c;
+    shards 0,1 are rebuilt from the xor parity b holds, by ranks 0,1 on b itself (their
+    inputs sit in b's memory: no message)."""
+    red = _write_on_hosts(tmp_path, "xor:2")
+    SnapshotStore.remove_job(tmp_path / "a", JOB)
+    hosts = {0: "b", 1: "b", 2: "c", 3: "c"}
+    got = _restore_on_hosts(tmp_path, red, hosts)
+    plan = got[0]["plan"]
+    assert (plan.version, plan.source) == (2, "memory"), got[0]["reason"]
+    assert {r: s.kind for r, s in plan.shards.items()} == {
+        0: "parity",
+        1: "parity",
+        2: "remote",
+        3: "remote",
+    }
+    assert all(out["full"] == _state(2) for out in got)
+    decode_inputs = [t for t in plan.transfers if t.dst_rank in (0, 1)]
+    assert decode_inputs and all(t.src_rank == t.dst_rank for t in decode_inputs)
+    assert plan.origins()[0]["stores"] == ["b:node1/rank2"]
+    assert _dirs(tmp_path / "b") == ["node1/rank2", "node1/rank3"]  # kept: they hold v2
+
+
+def test_an_older_numbering_holding_nothing_needed_is_reclaimed(tmp_path: Path) -> None:
+    """A store on host b left by a numbering before the last restore (v1 only, of logical
+    shard 0) is freed once the restore of v2 is done; v2's copies stay."""
+    red = _write_on_hosts(tmp_path, "replicate:1")
+    stale = SnapshotStore(tmp_path / "b", JOB, 0, 0, 1 << 22)
+    source = SnapshotStore(tmp_path / "a", JOB, 0, 0, 0)
+    slot = next(s for s in (0, 1) if (m := source.read_manifest(s)) and m.version == 1)
+    stale.allocate(SIZES[0], 0)
+    stale.data_view(0)[: SIZES[0]] = _shard(1, 0)
+    stale.begin(1)
+    m1 = source.read_manifest(slot)
+    assert m1 is not None
+    stale.complete(0, dataclasses.replace(m1, red_nbytes=0, regions=()))
+    stale.commit(1)
+    stale.close()
+    got = _restore_on_hosts(tmp_path, red, FIRST)
+    assert {s.kind for s in got[0]["plan"].shards.values()} == {"local"}
+    assert all(out["full"] == _state(2) for out in got)
+    assert got[2]["reclaimed"] == ["b:node0/rank0"] and got[0]["reclaimed"] == []
+    assert _dirs(tmp_path / "b") == ["node1/rank2", "node1/rank3"]
