@@ -35,7 +35,7 @@ import json
 import logging
 import re
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -123,11 +123,9 @@ def encode_value(obj: Any, where: str = "value") -> Any:
             for k, v in obj.items()
         ]
         return {"o" if t is OrderedDict else "d": items}
-    if (
-        isinstance(obj, torch.Tensor)
-        and not isinstance(obj, DTensor)
-        and t in (torch.Tensor, nn.Parameter)
-    ):
+    if t is Counter:  # MultiStepLR's milestones
+        return {"c": [[encode_value(k, f"{where} key"), v] for k, v in obj.items()]}
+    if t is torch.Tensor:  # exact type: a Parameter or DTensor would not come back as one
         if obj.is_sparse or obj.layout != torch.strided:
             raise ValueError(f"{where}: only dense tensors can be saved, got layout {obj.layout}")
         dtype = str(obj.dtype).removeprefix("torch.")
@@ -144,8 +142,8 @@ def encode_value(obj: Any, where: str = "value") -> Any:
         return {"dt": str(obj).removeprefix("torch.")}
     raise ValueError(
         f"{where}: values of type {t.__module__}.{t.__qualname__} cannot be saved "
-        "(supported: None, bool, int, float, str, bytes, list, tuple, dict, torch tensors, "
-        "numpy arrays and scalars)"
+        "(supported: None, bool, int, float, str, bytes, list, tuple, dict, OrderedDict, "
+        "Counter, torch tensors, dtypes and sizes, numpy arrays and scalars)"
     )
 
 
@@ -185,6 +183,8 @@ def decode_value(tree: Any, device: torch.device | None = None) -> Any:
     if tag in ("d", "o"):
         pairs = [(decode_value(k, dev), decode_value(x, dev)) for k, x in v]
         return OrderedDict(pairs) if tag == "o" else dict(pairs)
+    if tag == "c":
+        return Counter({decode_value(k, dev): n for k, n in v})
     if tag == "T":
         return _decode_tensor(v, dev)
     if tag == "b":
@@ -659,7 +659,10 @@ class TrainingState:
                 "optimizer": _qualname(self.optimizer),
                 "groups": self._groups,
                 "state_keys": sorted(self.stateful),
-                "hypers": param_group_hypers(self.optimizer),
+                "hypers": [  # encoded as they are: no copy needed
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in self.optimizer.param_groups
+                ],
             }
             self._write(
                 "extra.meta",

@@ -3,11 +3,12 @@ creation, the safe small-state encoding, capture/apply round trips and mismatch 
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,15 @@ from baft.pipeline.state import (
 )
 
 # ---------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core machine: intra-op threads only add waiting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class Net(nn.Module):
@@ -103,6 +113,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd_nesterov_foreach": lambda g: torch.optim.SGD(
         g, lr=0.1, momentum=0.9, nesterov=True, foreach=True
     ),
+    "sgd_fused": lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, fused=True),
     "adam": lambda g: torch.optim.Adam(g, lr=0.01),
     "adam_amsgrad_foreach": lambda g: torch.optim.Adam(g, lr=0.01, amsgrad=True, foreach=True),
     "adam_fused": lambda g: torch.optim.Adam(g, lr=0.01, fused=True),
@@ -119,6 +130,7 @@ STATE_KEYS = {
     "sgd_momentum": ["momentum_buffer"],
     "sgd_dampening": ["momentum_buffer"],
     "sgd_nesterov_foreach": ["momentum_buffer"],
+    "sgd_fused": ["momentum_buffer"],
     "adam": ["exp_avg", "exp_avg_sq", "step"],
     "adam_amsgrad_foreach": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"],
     "adam_fused": ["exp_avg", "exp_avg_sq", "step"],
@@ -552,6 +564,7 @@ def zoo() -> dict[Any, Any]:
         "bytes": b"\x00\xff",
         "numpy": (np.arange(4, dtype=np.int16).reshape(2, 2), np.float32(1.5), np.int64(-3)),
         "size": torch.Size([2, 3]),
+        "counter": collections.Counter({2: 1, "x": 3}),
         "dtype": torch.float16,
     }
 
@@ -579,6 +592,54 @@ def test_encoding_refuses_what_it_cannot_save_and_names_where() -> None:
         decode_blob(b'{"T":["float32",[4],"AAAA","cpu"]}')
 
 
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "StepLR": lambda o: lrs.StepLR(o, 2),
+    "MultiStepLR": lambda o: lrs.MultiStepLR(o, [2, 2, 4]),
+    "ConstantLR": lambda o: lrs.ConstantLR(o),
+    "LinearLR": lambda o: lrs.LinearLR(o, 0.1, total_iters=3),
+    "ExponentialLR": lambda o: lrs.ExponentialLR(o, 0.9),
+    "PolynomialLR": lambda o: lrs.PolynomialLR(o),
+    "CosineAnnealingLR": lambda o: lrs.CosineAnnealingLR(o, 10),
+    "CosineAnnealingWarmRestarts": lambda o: lrs.CosineAnnealingWarmRestarts(o, 3),
+    "CyclicLR": lambda o: lrs.CyclicLR(o, 0.01, 0.1),
+    "OneCycleLR": lambda o: lrs.OneCycleLR(o, 0.1, total_steps=20),
+    "ReduceLROnPlateau": lambda o: lrs.ReduceLROnPlateau(o, patience=0),
+    "LambdaLR": lambda o: lrs.LambdaLR(o, lambda i: 0.9**i),
+    "MultiplicativeLR": lambda o: lrs.MultiplicativeLR(o, lambda i: 0.9),
+    "ChainedScheduler": lambda o: lrs.ChainedScheduler(
+        [lrs.ConstantLR(o), lrs.ExponentialLR(o, 0.9)]
+    ),
+    "SequentialLR": lambda o: lrs.SequentialLR(
+        o, [lrs.LinearLR(o, 0.1), lrs.ExponentialLR(o, 0.9)], [2]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_every_lr_scheduler_round_trips(name: str) -> None:
+    def make() -> tuple[torch.optim.Optimizer, Any]:
+        o = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+        return o, SCHEDULERS[name](o)
+
+    def step(o: torch.optim.Optimizer, s: Any) -> None:
+        o.step()
+        s.step(1.0) if name == "ReduceLROnPlateau" else s.step()
+
+    (o1, s1), (o2, s2) = make(), make()
+    for _ in range(4):
+        step(o1, s1)
+    sd = s1.state_dict()
+    back = decode_blob(encode_blob(sd, name))
+    assert same(back, sd)
+    s2.load_state_dict(back)
+    load_param_group_hypers(o2, decode_hypers(encode_hypers(param_group_hypers(o1))))
+    for _ in range(3):
+        step(o1, s1)
+        step(o2, s2)
+    assert same(s1.state_dict(), s2.state_dict())
+    assert same(param_group_hypers(o1), param_group_hypers(o2))
+
+
 def test_hypers_round_trip_exactly_and_load_in_place() -> None:
     model = Net()
     opt = torch.optim.AdamW(groups(model), lr=torch.tensor(0.01), foreach=False)
@@ -601,6 +662,7 @@ def test_hypers_round_trip_exactly_and_load_in_place() -> None:
         load_param_group_hypers(opt, back[:1])
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of")
 def test_digests_cover_buffers_and_small_state() -> None:
     a, b = Run("adam"), Run("adam")
     assert a.ts is not None and b.ts is not None
