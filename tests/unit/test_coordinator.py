@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
-from baft.recover.coordinator import TopologyMismatchError, coordinate
+from baft.recover.coordinator import (
+    LocatedInventory,
+    StoreRef,
+    TopologyMismatchError,
+    coordinate,
+    coordinate_located,
+)
 from baft.store.coding import Redundancy, coding_groups
+from baft.store.manifest import RankInventory
 from baft.topology import Topology
 from tests.unit.test_store_support import fake_inventories
 
@@ -217,3 +225,131 @@ def test_policy_change_is_reported():
     invs = fake_inventories(T4, Redundancy.parse("xor:2"), (5,), committed=5)
     plan, reason = coordinate(T4, Redundancy.parse("rs:2+2"), invs)
     assert plan.version == 5 and reason.endswith("written with xor:2 (current policy rs:2+2)")
+
+
+# ------------------------------------------------------- shards wherever they physically are
+def _located(
+    invs: dict[int, RankInventory | None], where: dict[int, tuple[str, int]]
+) -> list[LocatedInventory]:
+    """Place logical shard r's store on host ``where[r][0]`` in directory node ``where[r][1]``."""
+    return [
+        LocatedInventory(StoreRef(where[r][0], where[r][1], r), inv)
+        for r, inv in invs.items()
+        if inv is not None and r in where
+    ]
+
+
+T22H = Topology(num_dp=4, ranks_per_node=2)  # nodes {0,1} and {2,3}
+
+
+def test_renumbered_ranks_move_shards_from_the_host_that_holds_them():
+    red = Redundancy.parse("xor:2")
+    invs = fake_inventories(T22H, red, (40, 41), committed=41)
+    located = _located(invs, {0: ("a", 0), 1: ("a", 0), 2: ("b", 1), 3: ("b", 1)})
+    hosts = {0: "b", 1: "a", 2: "a", 3: "b"}  # the new numbering interleaves the hosts
+    plan, reason = coordinate_located(T22H, red, located, hosts)
+    assert (plan.version, plan.source) == (41, "memory")
+    got = {r: (s.kind, s.holders, str(s.store)) for r, s in plan.shards.items()}
+    assert got == {
+        0: ("remote", (1,), "a:node0/rank0"),  # on a, read there by its lowest rank (1)
+        1: ("local", (1,), "a:node0/rank1"),
+        2: ("remote", (0,), "b:node1/rank2"),
+        3: ("local", (3,), "b:node1/rank3"),
+    }
+    assert [(t.src_rank, t.dst_rank, t.kind, t.offset, t.nbytes) for t in plan.transfers] == [
+        (1, 0, "shard", 0, 1000),
+        (0, 2, "shard", 0, 1074),
+    ]
+    assert plan.decodes == ()
+    assert "rank 0 (on host b) moved from store a:node0/rank0 by rank 1" in reason
+
+
+def test_shard_in_another_rank_directory_of_the_same_host_is_read_locally():
+    red = Redundancy.parse("xor:2")
+    invs = fake_inventories(T22H, red, (41,), committed=41)
+    # rank 1's store sits under node 5 (an older node numbering) on the host rank 1 runs on
+    located = _located(invs, {0: ("a", 0), 1: ("a", 5), 2: ("b", 1), 3: ("b", 1)})
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    plan, reason = coordinate_located(T22H, red, located, hosts)
+    assert all(s.kind == "local" for s in plan.shards.values()) and plan.transfers == ()
+    assert plan.shards[1].store == StoreRef("a", 5, 1)
+    assert "rank 1 read from store a:node5/rank1 on its host" in reason
+
+
+def test_lost_host_with_renumbered_survivor_rebuilds_from_its_parity():
+    red = Redundancy.parse("xor:2")  # groups {0,2} and {1,3} across the two nodes
+    invs = fake_inventories(T22H, red, (40, 41), committed=41)
+    located = _located(invs, {2: ("b", 1), 3: ("b", 1)})  # host a is gone
+    hosts = {0: "b", 1: "b", 2: "c", 3: "c"}  # replacement c sorted first... got 2,3
+    plan, reason = coordinate_located(T22H, red, located, hosts)
+    assert {r: s.kind for r, s in plan.shards.items()} == {
+        0: "parity",
+        1: "parity",
+        2: "remote",
+        3: "remote",
+    }
+    # ranks 0 and 1 run on b, where every decode input sits: they read it themselves
+    assert {(t.src_rank, t.dst_rank) for t in plan.transfers if t.dst_rank < 2} == {
+        (0, 0),
+        (1, 1),
+    }
+    assert {(t.src_rank, t.dst_rank) for t in plan.transfers if t.dst_rank >= 2} == {
+        (0, 2),
+        (0, 3),
+    }
+    assert "rank 0 (store lost with node 0) rebuilt from xor:2 parity" in reason
+
+
+def test_mixed_old_and_new_stores_pick_the_copy_that_holds_the_version():
+    """Logical shard 1 has an old store (v40 only, host b, left by an earlier numbering)
+    and its current one (v40 and v41, host a): v41 is restored from the current one; v40
+    alone would prefer the copy on rank 1's own host."""
+    red = Redundancy.parse("replicate:1")
+    invs = fake_inventories(T22H, red, (40, 41), committed=41)
+    old = fake_inventories(T22H, red, (40,), committed=40)[1]
+    assert old is not None
+    located = _located(invs, {0: ("a", 0), 1: ("a", 0), 2: ("b", 1), 3: ("b", 1)})
+    located.append(LocatedInventory(StoreRef("b", 0, 1), old))
+    hosts = {0: "a", 1: "b", 2: "b", 3: "a"}
+    plan, _ = coordinate_located(T22H, red, located, hosts)
+    assert plan.version == 41
+    assert (plan.shards[1].kind, str(plan.shards[1].store)) == ("remote", "a:node0/rank1")
+    invs40 = fake_inventories(T22H, red, (40,), committed=40)
+    located40 = _located(invs40, {0: ("a", 0), 1: ("a", 0), 2: ("b", 1), 3: ("b", 1)})
+    located40.append(LocatedInventory(StoreRef("b", 0, 1), old))
+    plan, _ = coordinate_located(T22H, red, located40, hosts)
+    assert (plan.shards[1].kind, str(plan.shards[1].store)) == ("local", "b:node0/rank1")
+    copies = [loc for loc in located if loc.store != StoreRef("a", 0, 1)]  # current lost
+    plan, _ = coordinate_located(T22H, red, copies, hosts)
+    # v41 of shard 1 survives only as the replica on its partner; v41 still wins
+    assert plan.version == 41 and plan.shards[1].kind == "replica"
+
+
+def test_stores_on_a_host_without_ranks_are_not_counted_and_duplicates_merge():
+    red = Redundancy.parse("xor:2")
+    invs = fake_inventories(T22H, red, (41,), committed=41)
+    located = _located(invs, {0: ("a", 0), 1: ("a", 0), 2: ("b", 1), 3: ("b", 1)})
+    located += located  # two ranks of a host both reported its stores
+    plan, _ = coordinate_located(T22H, red, located, {0: "a", 1: "a", 2: "c", 3: "c"})
+    # host b runs no rank now: its shards are as good as lost, rebuilt from a's parity
+    assert {r: s.kind for r, s in plan.shards.items()} == {
+        0: "local",
+        1: "local",
+        2: "parity",
+        3: "parity",
+    }
+
+
+def test_a_shard_whose_coordinates_disagree_with_the_topology_is_an_error():
+    red = Redundancy.parse("xor:2")
+    invs = fake_inventories(T22H, red, (41,), committed=41)
+    inv = invs[1]
+    assert inv is not None
+    bad = [
+        dataclasses.replace(v, manifest=dataclasses.replace(v.manifest, coords=(0, 3, 0)))
+        for v in inv.versions
+        if v.manifest is not None
+    ]
+    invs[1] = dataclasses.replace(inv, versions=tuple(bad))
+    with pytest.raises(TopologyMismatchError, match=r"\(pp, dp, tp\)=\(0, 3, 0\)"):
+        coordinate(T22H, red, invs)
