@@ -211,11 +211,15 @@ def encode_blob(obj: Any, where: str) -> bytes:
 
 
 def decode_blob(data: bytes, device: torch.device | None = None) -> Any:
+    """Inverse of :func:`encode_blob`; ValueError on anything malformed."""
     try:
         tree = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"state record is not valid JSON: {e}") from e
-    return decode_value(tree, device)
+    try:
+        return decode_value(tree, device)
+    except (TypeError, KeyError, IndexError, RecursionError, struct.error) as e:
+        raise ValueError(f"malformed state record: {e!r}") from e
 
 
 # ---------------------------------------------------------------------- hyperparameters
@@ -408,6 +412,13 @@ def _write_blob(t: torch.Tensor, payload: bytes, what: str, setting: str) -> int
         torch.frombuffer(bytearray(_HEADER.pack(_MAGIC, len(payload)) + payload), dtype=torch.uint8)
     )
     return n
+
+
+def decode_record(t: torch.Tensor, device: torch.device | None = None) -> Any:
+    """The value held by one ``extra.*`` record tensor (e.g. loaded from a persisted
+    checkpoint with plain DCP): ``extra.meta`` gives the optimizer's class and param-group
+    hyperparameters, ``extra.state.<key>`` ``{"class": ..., "state": state_dict}``."""
+    return decode_blob(_read_blob(t, "record"), device)
 
 
 def _read_blob(t: torch.Tensor, what: str) -> bytes:
@@ -753,6 +764,12 @@ class TrainingState:
         return self._blobs[name] if name in self._blobs else raw[name]
 
     def _decode(self, read: Callable[[str], torch.Tensor]) -> _Restored:
+        try:
+            return self._decode_checked(read)
+        except (TypeError, KeyError, IndexError, AttributeError) as e:  # a malformed record
+            raise ValueError(f"restored small state is malformed: {e!r}") from e
+
+    def _decode_checked(self, read: Callable[[str], torch.Tensor]) -> _Restored:
         meta = decode_blob(_read_blob(read("extra.meta"), "optimizer hyperparameters"), self.device)
         if type(meta) is not dict or meta.get("format") != FORMAT:
             raise ValueError("restored optimizer record has an unknown format")

@@ -24,6 +24,7 @@ from baft.pipeline.state import (
     check_optimizer,
     decode_blob,
     decode_hypers,
+    decode_record,
     encode_blob,
     encode_hypers,
     init_optimizer_state,
@@ -506,6 +507,27 @@ def test_failing_load_rolls_back_the_others() -> None:
     ):
         b.ts.apply()
     assert_small_state_unchanged(b, before)
+
+
+def test_malformed_or_foreign_records_are_value_errors() -> None:
+    r = Run("adam")
+    assert r.ts is not None
+    meta = dict(r.ts.tensors())["extra.meta"]
+    assert decode_record(meta)["optimizer"] == "torch.optim.adam.Adam"
+    before = small_state(r)
+    payload = b'{"d":[["format",1]]}'  # a valid record without the fields
+    meta[:8].copy_(
+        torch.frombuffer(bytearray(b"BFTS" + len(payload).to_bytes(4, "little")), dtype=torch.uint8)
+    )
+    meta[8 : 8 + len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="malformed"):
+        r.ts.apply()
+    meta.zero_()
+    with pytest.raises(ValueError, match="not a baft state record"):
+        r.ts.apply()
+    assert_small_state_unchanged(r, before)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        decode_blob(b"[" * 100000)
 
 
 def test_capacity_exceeded_names_object_and_setting() -> None:
