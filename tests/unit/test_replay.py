@@ -25,6 +25,8 @@ from baft.recover.replay import REPLAY_SAFE, StepRecord, record_step, replay, re
 
 N_STEPS = 7
 K = 3
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+"""CUDA runs the foreach/fused multi-tensor kernels, where the subset property matters most."""
 Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
@@ -144,9 +146,12 @@ def _entries(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 class Run:
     """The uninterrupted run: records, and full copies + param-group entries per version."""
 
-    def __init__(self, factory: Factory, side_parity: int = 1, amp: str = "") -> None:
+    def __init__(
+        self, factory: Factory, side_parity: int = 1, amp: str = "", device: str = "cpu"
+    ) -> None:
         torch.manual_seed(0)
-        self.model = Net(side_parity)
+        self.device = device
+        self.model = Net(side_parity).to(device)
         self.names = {p: n for n, p in self.model.named_parameters()}
         self.opt = factory(_groups(self.model))
         sched = _schedule(self.opt)
@@ -160,12 +165,12 @@ class Run:
         self.entries: list[list[dict[str, Any]]] = []  # version -> param-group entries
         # amp="scaled": GradScaler, grads reach a fused step still scaled (it unscales);
         # amp="unscaled": unscale_ + clip first, a step with an inf is skipped entirely
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=2)
         data = torch.Generator().manual_seed(1)
         for step in range(N_STEPS):
             self._version()
-            x = torch.randn(8, 6, generator=data)
-            y = torch.randn(8, 3, generator=data)
+            x = torch.randn(8, 6, generator=data).to(device)
+            y = torch.randn(8, 3, generator=data).to(device)
             self.opt.zero_grad(set_to_none=True)
             loss = 50.0 * nn.functional.mse_loss(self.model(x, step), y)
             if not amp:
@@ -194,7 +199,7 @@ class Run:
 def _rebuild(run: Run, factory: Factory, v: int) -> tuple[Net, torch.optim.Optimizer]:
     """A fresh model/optimizer restored from the k=3 rotation and replayed up to v."""
     torch.manual_seed(123)  # different init: every value must come from copies + replay
-    model = Net(run.model.side_parity)
+    model = Net(run.model.side_parity).to(run.device)
     opt = factory(_groups(model))
     params = dict(model.named_parameters())
     groups = [TensorGroup(n, p.numel() * 4) for n, p in params.items()]
@@ -229,11 +234,12 @@ def _assert_same(run_model: Net, run_opt: torch.optim.Optimizer, copies: dict, m
                 assert got[key] == want, (n, key)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_replay_from_rotating_copies_is_bit_exact(case: str) -> None:
+def test_replay_from_rotating_copies_is_bit_exact(case: str, device: str) -> None:
     factory = CASES[case]
     parity = 0 if case in LATE_FIRST_GRAD_BREAKS else 1
-    run = Run(factory, parity)
+    run = Run(factory, parity, device=device)
     assert len(run.records) == N_STEPS
     assert all("side.weight" in r.grads for r in run.records[parity::2])
     assert all("side.weight" not in r.grads for r in run.records[1 - parity :: 2])
@@ -249,25 +255,29 @@ def test_replay_from_rotating_copies_is_bit_exact(case: str) -> None:
         assert torch.equal(p, q), n
 
 
-def _train_state(factory: Factory, steps: int) -> tuple[Net, torch.optim.Optimizer]:
+def _train_state(factory: Factory, steps: int, device: str) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = factory(_groups(model))
     data = torch.Generator().manual_seed(2)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        x, y = torch.randn(4, 6, generator=data), torch.randn(4, 3, generator=data)
+        x = torch.randn(4, 6, generator=data).to(device)
+        y = torch.randn(4, 3, generator=data).to(device)
         nn.functional.mse_loss(model(x, 1), y).backward()
         opt.step()
     return model, opt
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("steps_before", [0, 2])
-def test_stepping_a_subset_equals_stepping_all_per_tensor(case: str, steps_before: int) -> None:
+def test_stepping_a_subset_equals_stepping_all_per_tensor(
+    case: str, steps_before: int, device: str
+) -> None:
     """The property replay rests on: a param's step does not depend on which other params
     are stepped with it (foreach/fused kernels included), and a skipped param is untouched."""
-    model, opt = _train_state(CASES[case], steps_before)
+    model, opt = _train_state(CASES[case], steps_before, device)
     all_model, all_opt = copy.deepcopy((model, opt))
     sub_model, sub_opt = copy.deepcopy((model, opt))
     grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
@@ -379,9 +389,10 @@ def test_replay_safe_names_what_it_cannot_prove() -> None:
         ("sgd-momentum-foreach", "unscaled"),
     ],
 )
-def test_replay_under_grad_scaler_with_an_inf_step(case: str, amp: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_replay_under_grad_scaler_with_an_inf_step(case: str, amp: str, device: str) -> None:
     factory = CASES[case]
-    run = Run(factory, amp=amp)
+    run = Run(factory, amp=amp, device=device)
     assert len(run.records) == N_STEPS
     if case.endswith("fused"):  # the fused step ran, unscaling itself and skipping on inf
         assert [float(r.scaler["found_inf"]) for r in run.records] == [0, 0, 0, 1, 0, 0, 0]
