@@ -2,7 +2,9 @@
 
 :class:`TrainingState` names every tensor a restore needs, in a canonical order that is
 fixed from iteration 0: parameters (``model.<fqn>``) and persistent buffers
-(``buffer.<fqn>``) of every stage module, the optimizer's per-parameter state
+(``buffer.<fqn>``, a copy taken by :meth:`TrainingState.capture`: unlike parameters,
+buffers such as BatchNorm statistics change during the forward passes of an iteration)
+of every stage module, the optimizer's per-parameter state
 (``optim.<fqn>.<key>``), and fixed-capacity uint8 tensors (``extra.*``) holding the small
 non-tensor state: RNG states, the param groups' hyperparameters, and the ``state_dict()``
 of every registered :class:`Stateful` (LR schedulers, samplers, counters). The engine
@@ -493,6 +495,8 @@ class TrainingState:
         init_optimizer_state(optimizer)
         self._entries: list[tuple[str, torch.Tensor]] = []
         self._param_names: dict[int, str] = {}
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        """(owning module, attribute, snapshot copy) per persistent buffer."""
         self._collect_model()
         self._deferred: list[tuple[torch.Tensor, str, torch.Tensor]] = []
         self._collect_optimizer()
@@ -542,24 +546,31 @@ class TrainingState:
     def _collect_model(self) -> None:
         seen: set[int] = set()
         names: set[str] = set()
-        for kind, pairs in (
-            ("model", [(f, p) for m in self.modules for f, p in m.named_parameters()]),
-            ("buffer", [(f, b) for m in self.modules for f, b in _persistent_buffers(m)]),
-        ):
-            for fqn, t in pairs:
-                if id(t) in seen:  # shared between stage modules: saved once
-                    continue
-                name = f"{kind}.{fqn}"
-                if name in names:
-                    raise ValueError(
-                        f"two stage modules both have {name!r}: give stage modules their "
-                        "original (distinct) fully qualified names"
-                    )
-                seen.add(id(t))
-                names.add(name)
-                if kind == "model":
-                    self._param_names[id(t)] = fqn
-                self._entries.append((name, local(t.data if kind == "model" else t)))
+
+        def add(name: str, t: torch.Tensor) -> bool:
+            if id(t) in seen:  # shared between stage modules: saved once
+                return False
+            if name in names:
+                raise ValueError(
+                    f"two stage modules both have {name!r}: give stage modules their "
+                    "original (distinct) fully qualified names"
+                )
+            seen.add(id(t))
+            names.add(name)
+            return True
+
+        for m in self.modules:
+            for fqn, p in m.named_parameters():
+                if add(f"model.{fqn}", p):
+                    self._param_names[id(p)] = fqn
+                    self._entries.append((f"model.{fqn}", local(p.data)))
+        for m in self.modules:
+            for fqn, b in _persistent_buffers(m):
+                if add(f"buffer.{fqn}", b):
+                    owner, _, leaf = fqn.rpartition(".")
+                    shadow = local(b).detach().clone(memory_format=torch.contiguous_format)
+                    self._buffers.append((m.get_submodule(owner), leaf, shadow))
+                    self._entries.append((f"buffer.{fqn}", shadow))
 
     def _collect_optimizer(self) -> None:
         in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -654,11 +665,31 @@ class TrainingState:
 
     # ------------------------------------------------------------------ capture
     def capture(
-        self, *, rng: bool = True, optimizer: bool = True, state: bool | Iterable[str] = True
+        self,
+        *,
+        buffers: bool = True,
+        rng: bool = True,
+        optimizer: bool = True,
+        state: bool | Iterable[str] = True,
     ) -> None:
-        """Refresh the small-state tensors from the live objects: RNG states, the
-        optimizer's hyperparameters, and the registered state objects (all, or the keys
-        given). Call at a version's start, before any snapshot copy of that version."""
+        """Refresh the copied tensors from the live objects: module buffers, RNG states,
+        the optimizer's hyperparameters, and the registered state objects (all, or the
+        keys given). Call at a version's start, before any forward pass and before any
+        snapshot copy of that version."""
+        if buffers:
+            with torch.no_grad():
+                for mod, leaf, shadow in self._buffers:
+                    live = mod._buffers.get(leaf)
+                    if (
+                        live is None
+                        or local(live).shape != shadow.shape
+                        or live.dtype != shadow.dtype
+                    ):
+                        raise ValueError(
+                            f"buffer {leaf!r} of {type(mod).__name__} was removed or changed "
+                            f"shape/dtype (was {shadow.dtype}{list(shadow.shape)}): the layout is fixed"
+                        )
+                    shadow.copy_(local(live))
         if rng:
             self._rng_cpu.copy_(torch.get_rng_state())
             if self._rng_device is not None:
@@ -722,21 +753,20 @@ class TrainingState:
 
     def check_live(self) -> None:
         """Raise RuntimeError if the live objects no longer hold the checkpointed tensors
-        (a parameter, buffer or optimizer state replaced, e.g. by
+        (a parameter or optimizer state replaced, e.g. by
         ``optimizer.load_state_dict`` after protect): they would be saved stale."""
         live: list[torch.Tensor] = []
         for m in self.modules:
             live += [local(p.data) for _, p in m.named_parameters()]
-            live += [local(b) for _, b in _persistent_buffers(m)]
         ptrs = {t.data_ptr() for t in live}
-        deferred = {id(h): i for i, (_, _, h) in enumerate(self._deferred)}
+        skip = {id(h) for _, _, h in self._deferred} | {id(b) for _, _, b in self._buffers}
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 for v in self.optimizer.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
                         ptrs.add(local(v).data_ptr())
         for name, t in self._entries:
-            if name.startswith("extra.") or id(t) in deferred:
+            if name.startswith("extra.") or id(t) in skip:
                 continue
             if t.numel() and t.data_ptr() not in ptrs:
                 raise RuntimeError(
@@ -794,6 +824,10 @@ class TrainingState:
             )
         hypers = meta["hypers"]
         check_param_group_hypers(self.optimizer, hypers)
+        for mod, leaf, shadow in self._buffers:
+            live = mod._buffers.get(leaf)
+            if live is None or local(live).shape != shadow.shape or live.dtype != shadow.dtype:
+                raise ValueError(f"buffer {leaf!r} of {type(mod).__name__} changed since start")
         created = [int(x) for x in read("extra.optim.created").tolist()] if self._deferred else []
         if any(x not in (0, 1) for x in created):
             raise ValueError("restored extra.optim.created holds values other than 0/1")
@@ -841,6 +875,8 @@ class TrainingState:
             elif p in self.optimizer.state:
                 self.optimizer.state[p].pop(key, None)
         self._created.copy_(torch.tensor([int(x) for x in r.created], dtype=torch.uint8))
+        for mod, leaf, shadow in self._buffers:  # checked in _decode: same shape and dtype
+            local(mod._buffers[leaf]).copy_(shadow)  # type: ignore[arg-type]
         torch.set_rng_state(r.rng_cpu)
         if r.rng_device is not None:
             torch.cuda.set_rng_state(r.rng_device, self.device)

@@ -305,6 +305,22 @@ def test_precreated_state_gives_the_same_trajectory(opt: str) -> None:
         }
 
 
+def test_buffers_are_copied_at_capture_not_read_live() -> None:
+    r = Run("adam")
+    assert r.ts is not None
+    r.capture()
+    snap = dict(r.ts.tensors())["buffer.bn.running_mean"]
+    before = snap.clone()
+    r.model(DATA_X[:6])  # a forward pass in train mode moves BatchNorm's statistics
+    assert not torch.equal(r.model.bn.running_mean, before)
+    assert torch.equal(snap, before)  # what the engine copies in bubbles stays version v
+    r.capture()
+    assert torch.equal(snap, r.model.bn.running_mean)
+    r.model.bn.running_mean = torch.zeros(3)  # reassigned with another shape
+    with pytest.raises(ValueError, match="buffer 'running_mean' of BatchNorm1d .*changed shape"):
+        r.capture()
+
+
 def test_sgd_momentum_from_zeros_would_not_be_exact() -> None:
     """Why SGD's momentum buffer is deferred: zeros + the step's mul_/add_ is not clone(grad)."""
     plain, zeros = Run("sgd_dampening", protect=False), Run("sgd_dampening", protect=False)
