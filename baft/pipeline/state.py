@@ -723,6 +723,13 @@ class TrainingState:
                 key,
             )
 
+    def lr_scheduler_keys(self) -> list[str]:
+        """Keys of the registered LR schedulers: in a loop that calls ``scheduler.step()``
+        after ``optimizer.step()``, these (and the hyperparameters they set) are captured
+        at the next iteration's start, the other objects right after the step."""
+        kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        return sorted(k for k, obj in self.stateful.items() if isinstance(obj, kinds))
+
     def _write(self, name: str, payload: bytes, what: str, key: str) -> None:
         t = self._blobs[name]
         n = _write_blob(t, payload, what, f"extra_capacity_bytes (key {key!r})")

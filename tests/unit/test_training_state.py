@@ -573,6 +573,18 @@ def test_replaced_live_tensor_is_detected() -> None:
         r.ts.check_live()
 
 
+def test_lr_scheduler_keys_and_partial_capture() -> None:
+    r = Run("adam")
+    assert r.ts is not None
+    assert r.ts.lr_scheduler_keys() == ["lr_scheduler"]
+    digests = r.ts.digests()
+    r.counter.n += 1
+    r.sampler.next()
+    r.ts.capture(buffers=False, rng=False, optimizer=False, state=["counter"])
+    changed = {n for n, d in r.ts.digests().items() if d != digests[n]}
+    assert changed == {"extra.state.counter"}
+
+
 def test_bad_state_key_and_non_stateful_are_refused() -> None:
     model = Net()
     opt = torch.optim.Adam(model.parameters())
