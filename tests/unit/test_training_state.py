@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim import lr_scheduler as lrs
 
-from baft.engine.flat import byte_view
+from baft.engine.flat import FlatState, byte_view
 from baft.pipeline.state import (
     TrainingState,
     check_optimizer,
@@ -408,6 +408,27 @@ def test_capture_copy_apply_restores_everything(opt: str, steps: int) -> None:
     b.train(3)
     assert_same_run(a, b)
     assert a.sampler.seen == b.sampler.seen and len(b.sampler.seen) == steps + 3
+
+
+def test_engine_flat_state_round_trip() -> None:
+    """Through the engine's FlatState: one byte range out of a, written into b."""
+    a, b = Run("sgd_nesterov_foreach"), Run("sgd_nesterov_foreach", seed=9)
+    assert a.ts is not None and b.ts is not None
+    a.train(2)
+    a.capture()
+    flat_a, flat_b = FlatState(a.ts.tensors()), FlatState(b.ts.tensors())
+    assert flat_a.specs() == flat_b.specs()
+    saved = torch.cat([byte_view(t).clone() for t in flat_a.tensors])
+    assert saved.numel() == flat_a.nbytes
+    b.ts.check_layout([(sp.name, sp.nbytes) for sp in flat_a.specs()])
+    flat_b.write_from(0, saved)
+    torch.set_rng_state(b.rng)
+    b.ts.apply()
+    b.rng = torch.get_rng_state()
+    assert_same_run(a, b)
+    a.train(2)
+    b.train(2)
+    assert_same_run(a, b)
 
 
 def test_apply_restores_the_rng_state() -> None:
