@@ -6,13 +6,11 @@ command line trains, demonstrates, plans, simulates, benchmarks, inspects and tr
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-T_IMPORT = time.time()
-"""When this process imported baft: about its start (recoveries time their restart to it)."""
+from baft import config as _config  # no torch: records when this process imported baft
 
-__all__ = ["CheckpointConfig", "protect"]
+__all__ = ["CheckpointConfig", "CheckpointPolicy", "protect"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch.distributed
@@ -21,7 +19,7 @@ def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch
 
         return protect
     if name == "CheckpointConfig":
-        from baft.config import CheckpointConfig
-
-        return CheckpointConfig
+        return _config.CheckpointConfig
+    if name == "CheckpointPolicy":
+        return _config.CheckpointPolicy
     raise AttributeError(name)

@@ -28,8 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
-import baft
-from baft.config import CheckpointConfig, default_job_id
+from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
 from baft.pipeline.step import StepResult, StepRunner, check_optimizer
@@ -79,7 +78,7 @@ class Protected:
         self.last_step: StepResult | None = None
         """The last step's result (loss, timeline of slots, compute and checkpoint work)."""
         self._engine_cls = engine_cls
-        self._t_launch = baft.T_IMPORT  # about the process start: the restart phase ends here
+        self._t_launch = T_IMPORT  # about the process start: the restart phase ends here
         self._t_ready = time.time()
         """Process group up and model built (the rendezvous phase ends here)."""
         self._report: Any = None

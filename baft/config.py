@@ -7,9 +7,18 @@ and tests build them directly.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from baft.plan.types import CheckpointPolicy
+
+__all__ = ["CheckpointConfig", "CheckpointPolicy", "ModelConfig", "ParallelConfig", "TrainConfig"]
+
+T_IMPORT = time.time()
+"""When this process imported baft (``import baft`` loads this module): about its start,
+where a recovery's restart phase ends."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")
 """Pipeline schedules baft can run, by CLI name."""
@@ -126,16 +135,10 @@ class ParallelConfig:
 class CheckpointConfig:
     """Fault tolerance of a run: checkpoint policy, store, persistence, failure handling."""
 
-    every: int = 1
-    """Target checkpoint interval in iterations (1 = every iteration)."""
-    redundancy: str = "xor:2"
-    """none | replicate:k | xor:g | rs:k+m, across simulated nodes."""
-    persist_every: int = 50
-    """Persist every N-th committed checkpoint as a DCP checkpoint (0 = never)."""
-    keep_latest: int = 2
-    """DCP checkpoints kept on disk."""
-    on_overflow: str = "spill"
-    """spill (keep frequency, expose leftovers) or stretch (lower the frequency)."""
+    policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    """How often and how safely: interval, redundancy, persistence, differential slices
+    (see :class:`baft.plan.types.CheckpointPolicy`; ``CheckpointConfig.parse`` reads the
+    ``every=1,redundancy=xor:2,...`` syntax)."""
     profile_iters: int = 3
     """Unprotected iterations whose timelines make the BubbleMap (skipped after a restart)."""
     store_root: str = "/dev/shm/baft"
@@ -174,7 +177,8 @@ class CheckpointConfig:
     def validate(self, topology: Any = None) -> None:
         """Raise ValueError naming the field and the fix; with a ``topology`` also check
         that the redundancy fits its failure domains."""
-        self.policy()  # validates the policy fields
+        if not isinstance(self.policy, CheckpointPolicy):
+            raise ValueError(f"policy must be a CheckpointPolicy, got {type(self.policy).__name__}")
         if self.profile_iters < 1:
             raise ValueError(f"profile_iters={self.profile_iters} must be >= 1")
         if self.host_work not in ("auto", "bubbles", "always"):
@@ -194,32 +198,21 @@ class CheckpointConfig:
         if topology is not None:
             from baft.store.coding import Redundancy, coding_groups
 
-            coding_groups(topology, Redundancy.parse(self.redundancy))
-
-    def policy(self) -> Any:
-        from baft.plan.types import CheckpointPolicy
-
-        return CheckpointPolicy(
-            every=self.every,
-            redundancy=self.redundancy,
-            persist_every=self.persist_every,
-            keep_latest=self.keep_latest,
-            on_overflow=self.on_overflow,
-        )
+            coding_groups(topology, Redundancy.parse(self.policy.redundancy))
 
     @classmethod
-    def parse(cls, text: str) -> CheckpointConfig:
-        """From ``every=1,redundancy=xor:2,persist=50,keep=2,overflow=spill``."""
-        from baft.plan.types import CheckpointPolicy
+    def parse(cls, text: str, **fields: Any) -> CheckpointConfig:
+        """From ``every=1,redundancy=xor:2,persist=50,keep=2,overflow=spill,full_every=auto``
+        (any subset), plus any other field by keyword."""
+        return cls(policy=CheckpointPolicy.parse(text), **fields)
 
-        p = CheckpointPolicy.parse(text)
-        return cls(
-            every=p.every,
-            redundancy=p.redundancy,
-            persist_every=p.persist_every,
-            keep_latest=p.keep_latest,
-            on_overflow=p.on_overflow,
-        )
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointConfig:
+        d = dict(d)
+        return cls(policy=CheckpointPolicy(**d.pop("policy", {})), **d)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -284,7 +277,7 @@ class TrainConfig:
         model = ModelConfig(**d.pop("model", {}))
         parallel = ParallelConfig(**d.pop("parallel", {}))
         ck = d.pop("checkpoint", None)
-        checkpoint = CheckpointConfig(**ck) if ck is not None else None
+        checkpoint = CheckpointConfig.from_dict(ck) if ck is not None else None
         return cls(model=model, parallel=parallel, checkpoint=checkpoint, **d)
 
 

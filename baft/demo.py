@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.plan.types import CheckpointPolicy
 from baft.train.launch import launch
 
 
@@ -62,7 +63,9 @@ def run_demo(
     inject = [f"kill:rank=1,iter={kill_at},at=snapshot", f"node:1,iter={node_loss_at}"]
     console.rule("[bold]2/3 protected run: checkpoint every iteration, crash a rank, lose a node")
     console.print(f"injecting: {', '.join(inject)}")
-    ck = CheckpointConfig(redundancy="xor:2", persist_every=10, inject=inject, timeout_s=30.0)
+    ck = CheckpointConfig(
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=10), inject=inject, timeout_s=30.0
+    )
     ft_cfg = _config(out / "protected", iterations, ck)
     if launch(ft_cfg) != 0:
         console.print("[red]protected run failed")

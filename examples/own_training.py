@@ -79,7 +79,8 @@ def main() -> None:
             optimizer=optimizer,
             run_dir=a.out,
             checkpoint=baft.CheckpointConfig(
-                redundancy="replicate:1", persist_every=0, inject=a.inject
+                policy=baft.CheckpointPolicy(redundancy="replicate:1", persist_every=0),
+                inject=a.inject,
             ),
             ranks_per_node=1,  # each rank its own failure domain
         )

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.plan.types import CheckpointPolicy
 from baft.train.launch import launch
 
 RESTORE_PHASES = ("inventory", "transfer_decode", "load")
@@ -39,9 +40,9 @@ def _cfg(a: argparse.Namespace, out: Path, inject: list[str]) -> TrainConfig:
         global_batch=4,
         out_dir=str(out),
         checkpoint=CheckpointConfig(
-            redundancy="xor:2",
-            persist_every=a.persist_every,
-            keep_latest=2,
+            policy=CheckpointPolicy(
+                redundancy="xor:2", persist_every=a.persist_every, keep_latest=2
+            ),
             profile_iters=2,
             inject=inject,
             timeout_s=60.0,

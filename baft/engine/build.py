@@ -97,7 +97,7 @@ def build_engine(
     gated = mesh.device.type == "cpu" and not thread_copy and engine_cls.bubble_aware
     worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
     peers = find_same_host_peers(transport, store.path, enabled=ck.exchange == "auto")
-    policy = ck.policy()
+    policy = ck.policy
     persister = None
     if persist and ck.persist_dir and policy.persist_every:
         persister = Persister(

@@ -121,7 +121,7 @@ class CheckpointEngine:
         parts: EngineParts,
     ) -> None:
         self.ck = ck
-        self.policy = ck.policy()
+        self.policy = ck.policy
         self.run_dir = Path(run_dir)
         self.topology = topology
         self.rank = rank

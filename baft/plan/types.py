@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -177,6 +178,11 @@ _REDUNDANCY = re.compile(r"^(none|replicate:\d+|xor:\d+|rs:\d+\+\d+)$")
 _OVERFLOW = ("spill", "stretch")
 
 
+def _full_every(text: str) -> int:
+    """``auto`` -> 0, else an int."""
+    return 0 if text == "auto" else int(text)
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointPolicy:
     """How often and how safely to checkpoint. Raises ``ValueError`` with the fix."""
@@ -188,7 +194,7 @@ class CheckpointPolicy:
     persist_every: int = 50
     """Persist every N-th committed checkpoint to durable storage (0 = never)."""
     keep_latest: int = 2
-    """Committed in-memory versions kept per store."""
+    """DCP checkpoints kept on disk (the newest ones; older ones are deleted)."""
     on_overflow: str = "spill"
     """"spill": keep the interval, run leftover work before the step (exposed);
     "stretch": lengthen the interval until the exposed share is at most ``target_overhead``."""
@@ -200,6 +206,12 @@ class CheckpointPolicy:
     """With "stretch": accepted exposed seconds per iteration, as a fraction of the iteration."""
     spread_margin: float = 0.0
     """Plan on ``idle_s - spread_margin * spread_s`` per slot (0 = on the median)."""
+    full_every: int = 1
+    """Differential checkpoints: every tensor's full copy is refreshed at least every
+    ``full_every`` iterations and each iteration protects the gradient record of the last
+    step plus one slice of the full state (see :mod:`baft.plan.payload`); 1 = the whole
+    state every iteration; 0 = "auto": the smallest value whose bytes per iteration fit
+    the measured bubbles."""
     align_to_tensors: bool = True
     """Put the boundaries between DP owners on tensor boundaries (see planner.snap_to_tensors)."""
 
@@ -217,6 +229,8 @@ class CheckpointPolicy:
             raise ValueError(f"keep_latest={self.keep_latest} must be >= 1")
         if self.on_overflow not in _OVERFLOW:
             raise ValueError(f"on_overflow={self.on_overflow!r}: use 'spill' or 'stretch'")
+        if self.full_every < 0:
+            raise ValueError(f"full_every={self.full_every} must be >= 1, or 0 for auto")
         if self.min_chunk_bytes < 1:
             raise ValueError(f"min_chunk_bytes={self.min_chunk_bytes} must be >= 1")
         if self.max_chunk_bytes < 2 * self.min_chunk_bytes:
@@ -233,8 +247,9 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, text: str) -> CheckpointPolicy:
-        """Parse "every=1,redundancy=xor:2,persist=50,keep=2,overflow=spill" (any subset)."""
-        keys = {
+        """Parse "every=1,redundancy=xor:2,persist=50,keep=2,overflow=spill,full_every=auto"
+        (any subset)."""
+        keys: dict[str, tuple[str, Callable[[str], object]]] = {
             "every": ("every", int),
             "redundancy": ("redundancy", str),
             "persist": ("persist_every", int),
@@ -243,6 +258,7 @@ class CheckpointPolicy:
             "max_chunk": ("max_chunk_bytes", int),
             "min_chunk": ("min_chunk_bytes", int),
             "target": ("target_overhead", float),
+            "full_every": ("full_every", _full_every),
         }
         kwargs: dict[str, object] = {}
         for item in (p.strip() for p in text.split(",")):
@@ -260,6 +276,7 @@ class CheckpointPolicy:
                 kwargs[name] = conv(value.strip())
             except ValueError:
                 raise ValueError(
-                    f"policy item {item!r}: {value.strip()!r} is not a valid {conv.__name__}"
+                    f"policy item {item!r}: {value.strip()!r} is not a valid "
+                    f"{'int or auto' if conv is _full_every else getattr(conv, '__name__', 'value')}"
                 ) from None
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -64,12 +64,7 @@ def plan_from_run(run_dir: Path) -> RunPlan:
     data = json.loads(path.read_text())
     cfg = json.loads((run_dir / "config.json").read_text())
     ck = cfg.get("checkpoint") or {}
-    policy = CheckpointPolicy(
-        every=ck.get("every", 1),
-        redundancy=ck.get("redundancy", "xor:2"),
-        persist_every=ck.get("persist_every", 50),
-        on_overflow=ck.get("on_overflow", "spill"),
-    )
+    policy = CheckpointPolicy(**(ck.get("policy") or {}))
     bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(data["ranks"])}
     layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(data["ranks"])}
     cost = CostModel.from_measurements(data.get("cost") or {})

@@ -30,6 +30,7 @@ import pytest
 
 from baft.config import CheckpointConfig, TrainConfig
 from baft.engine.watchdog import read_hangs
+from baft.plan.types import CheckpointPolicy
 from baft.train.launch import launch_env, prepare_run_dir, torchrun_command
 from tests.dist.runs import run_job, tiny_config
 
@@ -52,8 +53,7 @@ def _config(out: Path, store: Path, inject: list[str] | None = None) -> TrainCon
         ranks_per_node=1,
     )
     cfg.checkpoint = CheckpointConfig(
-        redundancy="xor:2",
-        persist_every=0,
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=0),
         profile_iters=2,
         store_root=str(store),
         inject=inject or [],

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from baft.config import CheckpointConfig
+from baft.plan.types import CheckpointPolicy
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -28,8 +29,7 @@ def _config(out: Path, store: Path | None, inject: list[str], timeout_s: float =
     if store is None:  # the unprotected reference
         return cfg
     cfg.checkpoint = CheckpointConfig(
-        redundancy="xor:2",
-        persist_every=2,
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=2),
         profile_iters=2,
         store_root=str(store),
         inject=inject,

@@ -21,6 +21,7 @@ import pytest
 
 from baft.config import CheckpointConfig, TrainConfig
 from baft.plan.inputs import PLAN_INPUT_FILE
+from baft.plan.types import CheckpointPolicy
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -50,13 +51,13 @@ def _config(
     if store is not None:
         options: dict[str, Any] = dict(persist_every=0, profile_iters=2, max_restarts=3)
         options.update(ck)
+        policy = {
+            k: options.pop(k) for k in list(options) if k in CheckpointPolicy.__dataclass_fields__
+        }
         cfg.checkpoint = CheckpointConfig(
-            redundancy=redundancy,
-            store_root=str(store),
-            inject=inject,
-            timeout_s=30.0,
-            **options,
-        )
+            policy=CheckpointPolicy(redundancy=redundancy, **policy),
+            store_root=str(store), inject=inject, timeout_s=30.0, **options,
+        )  # fmt: skip
     return cfg
 
 
@@ -169,8 +170,7 @@ def _rs_config(out: Path, store: Path | None, inject: list[str]) -> TrainConfig:
     )
     if store is not None:
         cfg.checkpoint = CheckpointConfig(
-            redundancy="rs:2+2",
-            persist_every=0,
+            policy=CheckpointPolicy(redundancy="rs:2+2", persist_every=0),
             profile_iters=2,
             store_root=str(store),
             inject=inject,

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from baft.config import CheckpointConfig, TrainConfig
+from baft.plan.types import CheckpointPolicy
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -30,8 +31,7 @@ def _config(
         )
     if store is not None:
         cfg.checkpoint = CheckpointConfig(
-            redundancy="xor:2",
-            persist_every=0,
+            policy=CheckpointPolicy(redundancy="xor:2", persist_every=0),
             profile_iters=2,
             store_root=str(store),
             inject=inject,

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from baft.config import CheckpointConfig
 from baft.engine.persister import latest_version, version_dir
 from baft.model.gpt import GPTStage
+from baft.plan.types import CheckpointPolicy
 from tests.dist.runs import TINY_MODEL, run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -22,9 +23,7 @@ pytestmark = pytest.mark.timeout(420)
 def _config(out: Path, store: Path, inject: list[str], persist_every: int):
     cfg = tiny_config(out, iterations=10, batch=8, num_dp=2, num_pp=2, num_microbatches=2)
     cfg.checkpoint = CheckpointConfig(
-        redundancy="xor:2",
-        persist_every=persist_every,
-        keep_latest=2,
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=persist_every, keep_latest=2),
         profile_iters=2,
         store_root=str(store),
         inject=inject,
