@@ -27,7 +27,7 @@ from baft.faults.spec import (
     FaultSpec,
     parse_records,
 )
-from baft.store.shm import NUM_SLOTS, SnapshotStore
+from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
@@ -222,7 +222,7 @@ def corrupt_committed(store: SnapshotStore, target: str) -> tuple[int, str, int]
         committed = store.committed_version()
     except (ValueError, OSError):
         return None
-    for slot in range(NUM_SLOTS):
+    for slot in range(store.num_slots):
         try:
             manifest = store.read_manifest(slot)
         except (ValueError, OSError):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from baft.store.shm import NUM_SLOTS, PROGRESS_FILE, slot_file_name
+from baft.store.shm import MAX_SLOTS, PROGRESS_FILE, slot_file_name
 
 
 class PeerStore:
@@ -62,7 +62,7 @@ class PeerStore:
         if int(p[0]) != version:
             return None
         slot, covered = int(p[1]), int(p[2])
-        if int(p[0]) != version or slot not in range(NUM_SLOTS):  # changed under us
+        if int(p[0]) != version or slot not in range(MAX_SLOTS):  # changed under us
             return None
         return slot, covered
 

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,16 @@ PAGE = mmap.PAGESIZE
 MANIFEST_RESERVE_BYTES = 3 * 64 * 1024
 """Budget set aside for the two slot manifests, the commit record and the progress page."""
 NUM_SLOTS = 2
+"""Version slots of a store by default (double buffering: the newest committed version
+is never the one being written). Differential checkpoints keep a ring of more (see
+``allocate``): a version's rebuild needs the payloads of a whole rotation."""
+MAX_SLOTS = 64
+"""Most slots a store may have."""
 PROGRESS_FILE = "progress"
 """Four int64: version being written, its slot, shard bytes final so far, a change count."""
 KINDS = ("data", "red")
 """The two files of a slot: the shard (``data``) and its redundancy area (``red``)."""
+_SLOT_FILE = re.compile(r"^slot(\d+)\.(?:data|red|json)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -125,27 +132,42 @@ class SnapshotStore:
         """Read cache: (slot, kind) -> ((inode, size) mapped, private view); see ``read``."""
         self._views: dict[tuple[int, str], np.ndarray] = {}
         self._sizes: tuple[int, int] | None = None
+        self._num_slots = 0
         self._progress: np.ndarray | None = None
         self._progress_map: mmap.mmap | None = None
         self._lock_fd = -1
 
     # ------------------------------------------------------------- allocation
     @staticmethod
-    def required_bytes(data_nbytes: int, red_nbytes: int) -> int:
-        """Host memory ``allocate`` needs: two slots (page-rounded) plus manifests."""
-        return (
-            NUM_SLOTS * (_round_page(data_nbytes) + _round_page(red_nbytes))
-            + MANIFEST_RESERVE_BYTES
-        )
+    def required_bytes(data_nbytes: int, red_nbytes: int, num_slots: int = NUM_SLOTS) -> int:
+        """Host memory ``allocate`` needs: the slots (page-rounded) plus manifests."""
+        return num_slots * (
+            _round_page(data_nbytes) + _round_page(red_nbytes)
+        ) + MANIFEST_RESERVE_BYTES * max(1, num_slots // 2)
 
-    def allocate(self, data_nbytes: int, red_nbytes: int) -> None:
-        """Create (or reuse, keeping contents) both slots' files, pre-faulted and mapped."""
+    @property
+    def num_slots(self) -> int:
+        """Slots of this store: as allocated, else as found on disk (at least two)."""
+        if self._num_slots:
+            return self._num_slots
+        found = [
+            int(m.group(1))
+            for f in (self.path.iterdir() if self.path.is_dir() else ())
+            if (m := _SLOT_FILE.match(f.name))
+        ]
+        return max(NUM_SLOTS, max(found, default=-1) + 1)
+
+    def allocate(self, data_nbytes: int, red_nbytes: int, num_slots: int = NUM_SLOTS) -> None:
+        """Create (or reuse, keeping contents) ``num_slots`` slots' files, pre-faulted and
+        mapped; slot files beyond ``num_slots`` (an earlier, longer ring) are removed."""
         if data_nbytes < 0 or red_nbytes < 0:
             raise ValueError(f"sizes must be >= 0, got data={data_nbytes} red={red_nbytes}")
-        needed = self.required_bytes(data_nbytes, red_nbytes)
+        if not NUM_SLOTS <= num_slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots must be in {NUM_SLOTS}..{MAX_SLOTS}, got {num_slots}")
+        needed = self.required_bytes(data_nbytes, red_nbytes, num_slots)
         if needed > self.budget_bytes:
             raise MemoryBudgetError(
-                f"rank {self.rank} store needs {needed:,} B (2 slots x (shard {data_nbytes:,} B + "
+                f"rank {self.rank} store needs {needed:,} B ({num_slots} slots x (shard {data_nbytes:,} B + "
                 f"redundancy {red_nbytes:,} B) + manifests) but budget_bytes is "
                 f"{self.budget_bytes:,} B; raise the host-memory budget, pick a lighter "
                 "redundancy policy, or add DP replicas so shards shrink"
@@ -154,7 +176,7 @@ class SnapshotStore:
         sizes = {"data": data_nbytes, "red": red_nbytes}
         reusable = sum(
             _round_page(n)
-            for slot in range(NUM_SLOTS)
+            for slot in range(num_slots)
             for kind, n in sizes.items()
             if self._file(slot, kind).exists() and self._file(slot, kind).stat().st_size == n
         )
@@ -167,10 +189,14 @@ class SnapshotStore:
                 "SnapshotStore.cleanup_stale) or lower the snapshot size"
             )
         self.close()  # also drops read mappings: files may be truncated below
-        for slot in range(NUM_SLOTS):
+        for slot in range(num_slots, self.num_slots):
+            for kind in (*KINDS, "json"):
+                self._file(slot, kind).unlink(missing_ok=True)
+        for slot in range(num_slots):
             for kind, n in sizes.items():
                 self._map_rw(slot, kind, n)
         self._sizes = (data_nbytes, red_nbytes)
+        self._num_slots = num_slots
         self._map_progress()
 
     def _map_progress(self) -> None:
@@ -252,8 +278,8 @@ class SnapshotStore:
         return self._view(slot, "red")
 
     def _view(self, slot: int, kind: str) -> np.ndarray:
-        if slot not in range(NUM_SLOTS):
-            raise ValueError(f"slot must be 0 or 1, got {slot}")
+        if slot not in range(self.num_slots):
+            raise ValueError(f"slot must be in 0..{self.num_slots - 1}, got {slot}")
         if (slot, kind) not in self._views:
             raise RuntimeError(
                 f"rank {self.rank} store: call allocate(data_nbytes, red_nbytes) first"
@@ -281,7 +307,7 @@ class SnapshotStore:
         A file that was re-created or resized since it was mapped is mapped again. Views
         stay valid until ``drop_read_cache`` / ``close`` / ``allocate``.
         """
-        if slot not in range(NUM_SLOTS) or kind not in KINDS:
+        if slot not in range(MAX_SLOTS) or kind not in KINDS:
             raise ValueError(f"slot must be 0 or 1 and kind data or red, got {slot}, {kind!r}")
         if offset < 0 or (nbytes is not None and nbytes < 0):
             raise ValueError(f"offset and nbytes must be >= 0, got {offset}, {nbytes}")
@@ -366,19 +392,25 @@ class SnapshotStore:
                     pass
         self._maps.clear()
         self._sizes = None
+        self._num_slots = 0
 
     # ---------------------------------------------------------- version protocol
-    def begin(self, version: int) -> int:
-        """Slot to write ``version`` into (never the committed one), marked ``writing``."""
-        records = [_try(self._read_slot, s) for s in range(NUM_SLOTS)]
+    def begin(self, version: int, keep: Collection[int] = ()) -> int:
+        """Slot to write ``version`` into, marked ``writing``: never the committed one nor
+        one holding a complete version in ``keep`` (a differential rotation's window);
+        the oldest otherwise."""
+        records = [_try(self._read_slot, s) for s in range(self.num_slots)]
         committed = _try(self.committed_version)
+        protected = {committed, *keep}
         candidates = [
             s
             for s, rec in enumerate(records)
-            if not (rec and rec.get("state") == "complete" and rec.get("version") == committed)
+            if not (rec and rec.get("state") == "complete" and rec.get("version") in protected)
         ]
         if not candidates:
-            raise AssertionError(f"both slots hold committed version {committed}")
+            raise AssertionError(
+                f"every slot holds a version to keep: {sorted(protected, key=str)}"
+            )
         slot = min(candidates, key=lambda s: (records[s] is not None, _version_of(records[s]), s))
         self._write_json(
             self._manifest_file(slot),
@@ -405,7 +437,7 @@ class SnapshotStore:
 
     def commit(self, version: int) -> None:
         """Record ``version`` as the newest globally committed version."""
-        for slot in range(NUM_SLOTS):
+        for slot in range(self.num_slots):
             rec = self._read_slot(slot)
             if rec and rec.get("state") == "complete" and rec.get("version") == version:
                 self._write_json(
@@ -423,7 +455,7 @@ class SnapshotStore:
 
     def clear_versions(self) -> None:
         """Forget every version and the commit record (after restoring from disk or fresh)."""
-        for slot in range(NUM_SLOTS):
+        for slot in range(self.num_slots):
             self._manifest_file(slot).unlink(missing_ok=True)
         (self.path / "commit.json").unlink(missing_ok=True)
 
@@ -503,7 +535,7 @@ class SnapshotStore:
         """What this store holds; with ``verify`` every checksum is recomputed."""
         versions = []
         problems = []
-        for slot in range(NUM_SLOTS):
+        for slot in range(self.num_slots):
             try:
                 rec = self._read_slot(slot)
             except ValueError as err:
@@ -543,14 +575,14 @@ class SnapshotStore:
         whether the store was removed."""
         keep = None
         if version is not None:
-            for slot in range(NUM_SLOTS):
+            for slot in range(self.num_slots):
                 m = _try(self.read_manifest, slot)
                 if m is not None and m.version == version:
                     keep = slot
         if keep is None:
             self.destroy()
             return True
-        for slot in range(NUM_SLOTS):
+        for slot in range(self.num_slots):
             if slot != keep:
                 self._manifest_file(slot).unlink(missing_ok=True)
         self.commit(version)  # type: ignore[arg-type]
@@ -569,7 +601,7 @@ class SnapshotStore:
             if (a.node, a.rank) in own:
                 continue
             store = SnapshotStore(a.root, a.job_id, a.node, a.rank, 0)
-            versions = [_try(store.read_manifest, s) for s in range(NUM_SLOTS)]
+            versions = [_try(store.read_manifest, s) for s in range(store.num_slots)]
             if all(m is None or m.version <= newer_than for m in versions):
                 store.destroy()
                 removed.append(store.path)
