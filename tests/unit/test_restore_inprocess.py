@@ -11,6 +11,7 @@ bit-exact, and a peer that dies mid-transfer must give a clear error, not a hang
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +22,20 @@ import pytest
 import torch
 
 from baft.engine.local_transport import LocalTransport
+from baft.recover.coordinator import (
+    LocatedInventory,
+    RecoveryPlan,
+    StoreRef,
+    TopologyMismatchError,
+)
 from baft.recover.runtime import (
+    PROGRESS_DIR,
     HostStores,
+    Located,
     RestoreError,
     _agree,
     _exchange_replicas,
+    _never_silently_fresh,
     _rebuild_shard,
     _reclaim,
 )
@@ -338,3 +348,68 @@ def test_an_older_numbering_holding_nothing_needed_is_reclaimed(tmp_path: Path) 
     assert all(out["full"] == _state(2) for out in got)
     assert got[2]["reclaimed"] == ["b:node0/rank0"] and got[0]["reclaimed"] == []
     assert _dirs(tmp_path / "b") == ["node1/rank2", "node1/rank3"]
+
+
+# ------------------------------------------------------------------ never start over silently
+def _fresh_inputs(tmp: Path, progress: int | None, shards: bool) -> tuple[Path, Located]:
+    run_dir = tmp / "run"
+    (run_dir / PROGRESS_DIR).mkdir(parents=True)
+    if progress is not None:
+        (run_dir / PROGRESS_DIR / "rank1").write_text(str(progress))
+    stores = []
+    if shards:
+        _setup(tmp / "shm", "xor:2")
+        own = _open(tmp / "shm", 0)
+        stores = [LocatedInventory(StoreRef("h", 0, 0), own.inventory(verify=False))]
+    return run_dir, Located({0: "h"}, stores)
+
+
+FRESH = RecoveryPlan(version=None, source="fresh")
+
+
+def test_a_fresh_job_starts_quietly(tmp_path: Path, caplog) -> None:
+    run_dir, located = _fresh_inputs(tmp_path, None, shards=False)
+    _never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0)
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("progress,shards", [(7, False), (None, True), (7, True)])
+def test_nothing_restorable_after_progress_is_an_error(
+    tmp_path: Path, progress: int | None, shards: bool
+) -> None:
+    run_dir, located = _fresh_inputs(tmp_path, progress, shards)
+    with pytest.raises(RestoreError) as err:
+        _never_silently_fresh(FRESH, "fresh start: why", located, run_dir, False, 0)
+    text = str(err.value)
+    assert text.startswith("refusing to start over silently: ")
+    assert ("records progress up to iteration 7" in text) == (progress is not None)
+    assert ("stores hold snapshots of the job (h:node0/rank0)" in text) == shards
+    assert "(fresh start: why)" in text and "CheckpointConfig.allow_fresh_start=True" in text
+
+
+def test_allowed_fresh_start_and_dcp_fallback_are_logged_loudly(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="baft")
+    run_dir, located = _fresh_inputs(tmp_path, 3, shards=True)
+    _never_silently_fresh(FRESH, "why", located, run_dir, True, 0)
+    disk = RecoveryPlan(version=2, source="disk")
+    _never_silently_fresh(disk, "v=2 from disk: v=5 cannot be rebuilt", located, run_dir, False, 0)
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    assert caplog.records[1].getMessage() == (
+        "snapshots in memory cannot be restored, falling back to DCP: v=2 from disk: "
+        "v=5 cannot be rebuilt"
+    )
+    first = caplog.records[0].getMessage()
+    assert first.startswith("starting over from iteration 0 as allowed (allow_fresh_start): ")
+    assert "records progress up to iteration 3" in first and first.endswith("; why")
+
+
+def test_snapshots_of_other_pp_dp_tp_sizes_are_an_error_on_every_rank(tmp_path: Path) -> None:
+    _, red = _setup(tmp_path, "xor:2")  # written with dp=4
+    other = Topology(num_pp=2, num_dp=2, ranks_per_node=1)
+
+    def rank(r: int, transport: LocalTransport) -> Any:
+        return _agree(_open(tmp_path, r), transport, other, red, ())
+
+    got = _run_ranks(rank)
+    assert all(isinstance(g, TopologyMismatchError) for g in got), got
+    assert "written under pp=1 dp=4 tp=1, but this job runs pp=2 dp=2 tp=1" in str(got[0])
