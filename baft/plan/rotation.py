@@ -15,24 +15,29 @@ Conventions (every function here follows them):
   full copy of slice ``v % k`` taken at version ``v`` (copied in iteration ``v``'s bubbles,
   before step ``v``) and the record of step ``v - 1`` (captured at step ``v - 1`` by
   reference, protected in iteration ``v``'s bubbles).
-- **Anchor**: the payload of ``first_version`` (the first version protected after a start
-  or restart, or after ``k`` or the slice assignment changes) holds the full copy of
-  *every* slice and no record.
+- ``first_version`` is where the rotation starts: the first version protected after a
+  fresh start or a restore from DCP, or after ``k`` or the slice assignment changed. A
+  restore from memory does not start a rotation: the restored version's window is in the
+  store, the new payloads continue it, so ``first_version`` stays.
 
-Why an anchor instead of "rebuildable only once a whole rotation is behind it": without
-it, a failure in the ``k - 1`` iterations after a (re)start would lose up to ``k``
-iterations (back to the restored version, or to DCP), breaking "at most one iteration
-lost" exactly when failures cluster (a flaky node fails again soon). The anchor costs
-one full snapshot per (re)start (what ``full_every=1`` pays every iteration; the engine
-already spills or stretches a payload that does not fit the bubbles), and it makes every
-version from ``first_version`` on rebuildable. The full copies at the anchor are needed
-only until each slice has been refreshed once (version ``first_version + k``).
+The newest full copy of slice ``j`` at version ``v`` is then the newest ``b <= v`` with
+``b % k == j``, and rebuilding ``v`` needs the payloads ``v - k + 1 .. v``: their slices,
+and the records of steps ``b .. v - 1`` for each group's base ``b`` (carried by payloads
+``b + 1 .. v``). With ``k = 1`` every payload is a full snapshot and needs no record.
 
-With these conventions, the newest full copy of slice ``j`` available at version ``v`` is
-the newest ``b <= v`` with ``b % k == j`` (or the anchor), so rebuilding ``v`` needs the
-payloads ``max(first_version, v - k + 1) .. v``: their slices, and the records of steps
-``b .. v - 1`` for each group's base ``b`` (carried by payloads ``b + 1 .. v``). With
-``k = 1`` every payload is a full snapshot and no record is needed.
+How a rotation starts (``anchor``, keyword of the functions below):
+
+- ``anchor=False`` (default; the engine's ``plan/payload.py``): every payload has the
+  same size, so store slots, the planner and the redundancy codes work unchanged; a
+  version is rebuildable once a whole rotation is behind it (``v >= first_version + k
+  - 1``). After a fresh start that only means the first ``k - 1`` versions are not
+  protected yet; after a restore from DCP, a failure within ``k - 1`` iterations falls
+  back to DCP again (up to ``k`` more iterations lost), the price of fixed-size payloads.
+- ``anchor=True``: the payload of ``first_version`` holds every slice (a full snapshot)
+  and no record; every version from ``first_version`` on is rebuildable (at most one
+  iteration lost right after a restart), at the cost of one payload ``k`` times larger
+  per rotation start (spilled or stretched like ``full_every=1``), needed until every
+  slice has been refreshed once (version ``first_version + k``).
 """
 
 from __future__ import annotations
@@ -134,11 +139,13 @@ def slice_for_version(version: int, k: int) -> int:
     return version % k
 
 
-def slices_in_payload(version: int, k: int, first_version: int = 0) -> tuple[int, ...]:
-    """Slices whose full copies the payload of ``version`` holds: all at the anchor."""
+def slices_in_payload(
+    version: int, k: int, first_version: int = 0, *, anchor: bool = False
+) -> tuple[int, ...]:
+    """Slices whose full copies the payload of ``version`` holds (all at an anchor)."""
     _check_k(k)
     _check_version(version, first_version)
-    if version == first_version:
+    if anchor and version == first_version:
         return tuple(range(k))
     return (version % k,)
 
@@ -146,64 +153,85 @@ def slices_in_payload(version: int, k: int, first_version: int = 0) -> tuple[int
 def has_record(version: int, k: int, first_version: int = 0) -> bool:
     """Whether the payload of ``version`` carries a gradient record (of step ``version-1``).
 
-    Not at the anchor (the step before it ran in another process, or before ``k``
-    changed, and nothing from ``first_version`` on needs it) and never with ``k = 1``
-    (every version is a full snapshot).
+    Not at ``first_version`` (the step before it ran in another process, or before ``k``
+    changed, and no rebuild from this rotation needs it) and never with ``k = 1`` (every
+    version is a full snapshot). The same with and without an anchor.
     """
     _check_k(k)
     _check_version(version, first_version)
     return k > 1 and version > first_version
 
 
-def base_version(slice_index: int, version: int, k: int, first_version: int = 0) -> int:
+def base_version(
+    slice_index: int, version: int, k: int, first_version: int = 0, *, anchor: bool = False
+) -> int | None:
     """Version of the newest full copy of slice ``slice_index`` available at ``version``.
 
-    The newest ``b <= version`` with ``b % k == slice_index``, or the anchor when the
-    slice has not been refreshed since ``first_version``. Rebuilding ``version`` for a
-    group of that slice replays the records of steps ``b .. version - 1``.
+    The newest ``b <= version`` with ``b % k == slice_index`` and ``b >= first_version``;
+    with ``anchor``, the anchor when the slice has not been refreshed since; without,
+    ``None`` (no copy yet). Rebuilding ``version`` for a group of that slice replays the
+    records of steps ``b .. version - 1``.
     """
     _check_k(k)
     _check_version(version, first_version)
     if not 0 <= slice_index < k:
         raise ValueError(f"slice index {slice_index} outside 0..{k - 1}")
-    return max(first_version, version - (version - slice_index) % k)
+    b = version - (version - slice_index) % k
+    if b >= first_version:
+        return b
+    return first_version if anchor else None
 
 
-def window(version: int, k: int, first_version: int = 0) -> range:
+def window(version: int, k: int, first_version: int = 0, *, anchor: bool = False) -> range:
     """Versions whose payloads rebuilding ``version`` needs (all of them, no gaps).
 
-    ``max(first_version, version - k + 1) .. version``: the oldest is the base of slice
-    ``(version + 1) % k`` (or the anchor); every payload after it carries a record the
-    replay needs, and every slice's newest copy lies inside.
+    ``version - k + 1 .. version`` (with ``anchor``, from ``first_version`` at the
+    latest): the oldest is the base of slice ``(version + 1) % k``; every payload after it
+    carries a record the replay needs, and every slice's newest copy lies inside. Raises
+    ``ValueError`` when ``version`` is not rebuildable (see ``rebuildable``).
     """
     _check_k(k)
     _check_version(version, first_version)
-    return range(max(first_version, version - k + 1), version + 1)
+    if anchor:
+        return range(max(first_version, version - k + 1), version + 1)
+    if version - k + 1 < first_version:
+        raise ValueError(
+            f"version {version} is not rebuildable: without an anchor the rotation that "
+            f"started at {first_version} completes at version {first_version + k - 1}"
+        )
+    return range(version - k + 1, version + 1)
 
 
 def rebuildable(
-    version: int, k: int, first_version: int = 0, available: Collection[int] | None = None
+    version: int,
+    k: int,
+    first_version: int = 0,
+    available: Collection[int] | None = None,
+    *,
+    anchor: bool = False,
 ) -> bool:
     """Whether ``version`` can be rebuilt from slices and records.
 
-    Without ``available``: by construction (the anchor makes every version from
-    ``first_version`` on rebuildable; older versions belong to another rotation and are
-    not). With ``available`` (the versions whose payloads are committed and verified):
-    also every payload of ``window(version, k, first_version)`` must be there; one
-    missing payload makes the version unrecoverable, never wrong.
+    By construction: from ``first_version + k - 1`` on (a whole rotation behind it), or
+    from ``first_version`` on with ``anchor``; older versions belong to another rotation.
+    With ``available`` (the versions whose payloads are committed and verified) also
+    every payload of ``window(version, ...)`` must be there: one missing payload makes
+    the version unrecoverable, never wrong.
     """
     _check_k(k)
-    if version < first_version:
+    if version < (first_version if anchor else first_version + k - 1):
         return False
     if available is None:
         return True
-    return all(u in available for u in window(version, k, first_version))
+    return all(u in available for u in window(version, k, first_version, anchor=anchor))
 
 
-def newest_rebuildable(available: Collection[int], k: int, first_version: int = 0) -> int | None:
+def newest_rebuildable(
+    available: Collection[int], k: int, first_version: int = 0, *, anchor: bool = False
+) -> int | None:
     """The newest version whose whole window is in ``available``, or ``None``."""
     for v in sorted(available, reverse=True):
-        if rebuildable(v, k, first_version, available):
+        if rebuildable(v, k, first_version, available, anchor=anchor):
             return v
     return None
 
@@ -221,15 +249,19 @@ def payload_nbytes(record_nbytes: int, slice_sizes: Sequence[int]) -> int:
     return int(record_nbytes) + max(slice_sizes)
 
 
-def retained_nbytes(record_nbytes: int, slice_sizes: Sequence[int]) -> int:
+def retained_nbytes(
+    record_nbytes: int, slice_sizes: Sequence[int], *, anchor: bool = False, padded: bool = False
+) -> int:
     """Store bytes that keep the newest committed version rebuildable while the next
     payload is in flight (payloads are stored whole: a slice and its record together).
 
-    Steady state: the window's ``k`` payloads (every slice once, ``k`` records) plus the
-    payload in flight (one slice, one record): ``sum + slice + (k + 1) * record``. Right
-    after the anchor: the anchor (every slice) plus ``k - 1`` payloads plus the one in
-    flight, whose slices are again every slice: ``2 * sum + k * record``. This returns
-    the larger of the two (with the worst slice). With ``k = 1``: two full copies.
+    The window's ``k`` payloads plus the one in flight: ``k + 1`` payloads, i.e.
+    ``sum + slice + (k + 1) * record`` with the worst slice, or ``(k + 1) *
+    payload_nbytes`` when every payload is ``padded`` to the largest slice (the engine's
+    fixed-size slots). With ``anchor``, right after it: the anchor (every slice) plus
+    ``k - 1`` payloads plus the one in flight, whose slices are again every slice,
+    ``2 * sum + k * record`` (the larger of the two counts). With ``k = 1``: two full
+    copies.
     """
     if not slice_sizes:
         raise ValueError("slice_sizes must not be empty (k >= 1)")
@@ -237,8 +269,11 @@ def retained_nbytes(record_nbytes: int, slice_sizes: Sequence[int]) -> int:
     total = sum(slice_sizes)
     if k == 1:
         return 2 * total
-    steady = total + max(slice_sizes) + (k + 1) * record_nbytes
-    return max(steady, 2 * total + k * record_nbytes)
+    if padded:
+        steady = (k + 1) * payload_nbytes(record_nbytes, slice_sizes)
+    else:
+        steady = total + max(slice_sizes) + (k + 1) * record_nbytes
+    return max(steady, 2 * total + k * record_nbytes) if anchor else steady
 
 
 def choose_full_every(
@@ -248,6 +283,8 @@ def choose_full_every(
     max_k: int = 64,
     *,
     memory_budget_nbytes: float | None = None,
+    anchor: bool = False,
+    padded: bool = False,
 ) -> tuple[int, str]:
     """The smallest ``k`` whose per-iteration bytes fit the bubbles' capacity.
 
@@ -255,7 +292,8 @@ def choose_full_every(
     ``assign_slices`` and ``payload_nbytes`` is compared with ``capacity_nbytes_per_iter``
     (bytes the bubbles of one iteration can copy and protect). Smaller ``k`` wins: fewer
     steps to replay at recovery and fewer records to keep. A ``k`` whose
-    ``retained_nbytes`` exceeds ``memory_budget_nbytes`` (when given) is refused. When no
+    ``retained_nbytes`` (with ``anchor`` and ``padded``) exceeds ``memory_budget_nbytes``
+    (when given) is refused. When no
     ``k`` fits, returns the ``k`` with the fewest bytes per iteration (ties: smallest
     ``k``) and a reason saying what spills. Returns ``(k, reason)``.
     """
@@ -272,7 +310,7 @@ def choose_full_every(
     for k in range(1, min(max_k, len(groups)) + 1):
         sizes = slice_nbytes(groups, assign_slices(groups, k), k)
         need = payload_nbytes(record_nbytes, sizes)
-        store = retained_nbytes(record_nbytes, sizes)
+        store = retained_nbytes(record_nbytes, sizes, anchor=anchor, padded=padded)
         if memory_budget_nbytes is not None and store > memory_budget_nbytes:
             refused.append(k)
             previous = f"k={k} keeps {_fmt(store)} in the store, over the memory budget"

@@ -18,7 +18,9 @@ from typing import Any
 from baft.plan.cost import CostModel
 from baft.plan.planner import owned_ranges
 from baft.plan.planner import plan as make_plan
-from baft.plan.types import CheckpointPlan, CheckpointPolicy
+from baft.plan.types import CheckpointPlan, CheckpointPolicy, StateLayout
+from baft.sim.differential import model_differential, payload_layouts
+from baft.sim.differential import to_dict as differential_dict
 from baft.sim.presets import Scenario, layouts
 from baft.sim.simulator import Background, SimResult, simulate
 
@@ -60,12 +62,17 @@ def _transfers(scn: Scenario, policy: CheckpointPolicy, shards: dict[int, int]) 
 
 
 def planned(
-    scn: Scenario, policy: CheckpointPolicy, storage_Bps: float
+    scn: Scenario,
+    policy: CheckpointPolicy,
+    storage_Bps: float,
+    lays: dict[int, StateLayout] | None = None,
 ) -> tuple[SimResult, dict, CheckpointPlan, dict]:
-    """Base simulation, bubble maps, plan (with redundancy sends) and the transfers."""
+    """Base simulation, bubble maps, plan (with redundancy sends) and the transfers.
+
+    ``lays``: what each rank protects per iteration (default: its whole state)."""
     base = _sim(scn)
     bubbles = base.bubble_maps(scn.topology)
-    lays = layouts(scn)
+    lays = lays or layouts(scn)
     cost = _cost(scn, storage_Bps)
     shards = {r: b - a for r, (a, b) in owned_ranges(bubbles, lays, cost, policy).items()}
     transfers = _transfers(scn, policy, shards)
@@ -162,7 +169,33 @@ def evaluate(
     naive = _sim(scn, background=_naive_background(scn, shard, sent))
     naive_lag = max(0, math.ceil((copy_s + send_s) / naive.iteration_s) - 1)
     sync_cost = max(shard[r] / hw.d2h_Bps + shard[r] / storage_Bps for r in shard)
+    per_pp = base.bubble_maps()
+    differential = model_differential(
+        scn,
+        [per_pp[pp].capacity_s() for pp in range(scn.topology.num_pp)],
+        iteration_s=it,
+        redundancy=policy.redundancy,
+    )
     sync_n = max(1, round(math.sqrt(2.0 * sync_cost * mtbf_s) / it))
+    if differential.full_every == 1:  # the same payload as baft's: reuse its row
+        diff_mode = _mode(
+            replay.exposed_s,
+            plan.interval_iters,
+            int(lagged),
+            recover_mem,
+            it,
+            mtbf_s,
+            full_every=1,
+            predicted_exposed_s=plan.exposed_s,
+            reason=plan.reason,
+        )
+    else:
+        diff_mode = _differential_mode(
+            scn, policy, storage_Bps, differential.full_every, it, mtbf_s, recover_mem
+        )
+    diff_mode["replay_s"] = differential.replay_s
+    diff_mode["expected_lost_s"] += differential.replay_s
+    diff_mode["goodput_loss_fraction"] += differential.replay_s / mtbf_s
     modes = {
         "baft": _mode(
             replay.exposed_s,
@@ -196,9 +229,37 @@ def evaluate(
             "min_idle_s_per_gpu": min(b.capacity_s() for b in bubbles.values()),
         },
         "modes": modes,
+        "differential": {**differential_dict(differential), "mode": diff_mode},
         "assumptions": _assumptions(scn, policy, mtbf_s, storage_Bps, restart_s),
         "notes": list(scn.notes),
     }
+
+
+def _differential_mode(
+    scn: Scenario,
+    policy: CheckpointPolicy,
+    storage_Bps: float,
+    k: int,
+    it: float,
+    mtbf_s: float,
+    recover_s: float,
+) -> dict[str, Any]:
+    """The ``baft`` row with differential payloads (record + largest slice) planned and
+    replayed on the simulator like full snapshots."""
+    _, _, plan, _ = planned(scn, policy, storage_Bps, payload_layouts(scn, k))
+    run = _sim(scn, plan=plan, topology=scn.topology)
+    lagged = any(t.lag for rp in plan.ranks.values() for ts in rp.tasks.values() for t in ts)
+    return _mode(
+        run.exposed_s,
+        plan.interval_iters,
+        int(lagged),
+        recover_s,
+        it,
+        mtbf_s,
+        full_every=k,
+        predicted_exposed_s=plan.exposed_s,
+        reason=plan.reason,
+    )
 
 
 def _assumptions(
@@ -244,4 +305,10 @@ def _assumptions(
         "persist": f"baft/naive persist every {policy.persist_every} checkpoints from host "
         "memory in the background; not counted",
         "encode": "parity XOR on the receiving host, off the GPU timeline; not counted",
+        "differential": "per GPU and iteration: the gradient record of the last step "
+        "(4 B/param, fp32 main grads) + the largest of K rotating full-state slices "
+        "(whole weights with their optimizer state), both split over the DP replicas; K is "
+        "the smallest whose D2H copy + redundancy send fits every GPU's bubbles; the store "
+        "keeps K+1 payloads (padded to the largest slice); recovery replays <= K-1 steps; "
+        "right after a fresh start or a DCP restore the first K-1 versions are not rebuildable",
     }

@@ -31,7 +31,8 @@ from baft.plan.rotation import (
     retained_nbytes,
     slice_nbytes,
 )
-from baft.sim.presets import Scenario, rank_tensors
+from baft.plan.types import StateLayout, TensorSpec
+from baft.sim.presets import Scenario, layouts, rank_tensors
 from baft.sim.simulator import simulate
 from baft.store.coding import Redundancy, coding_groups, group_layouts
 
@@ -40,6 +41,7 @@ __all__ = [
     "RankBytes",
     "bubbles_per_pp",
     "model_differential",
+    "payload_layouts",
     "summary_lines",
     "tensor_groups",
     "to_dict",
@@ -83,7 +85,8 @@ class RankBytes:
     full_store_nbytes: int
     """Host memory this GPU's store keeps (its snapshots double-buffered + redundancy held)."""
     diff_store_nbytes: int
-    """The same, differential (``retained_nbytes``: K+1 payloads, or the anchor + K)."""
+    """The same, differential (``retained_nbytes``: K+1 payloads padded to the largest
+    slice, as the engine stores them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +124,49 @@ def tensor_groups(scn: Scenario, pp: int) -> tuple[tuple[TensorGroup, ...], int]
     sizes: dict[str, int] = {}
     params = 0
     for t in rank_tensors(scn, pp):
-        kind, _, rest = t.name.partition(".")
-        name = rest if kind == "model" else rest.rsplit(".", 1)[0]
+        name = _group_name(t.name)
         sizes[name] = sizes.get(name, 0) + t.nbytes
-        if kind == "model":
+        if t.name.startswith("model."):
             params += t.nbytes // WEIGHT_BYTES_PER_PARAM
     return tuple(TensorGroup(n, b) for n, b in sizes.items()), params
+
+
+def payload_layouts(
+    scn: Scenario, k: int, grad_bytes_per_param: int = GRAD_BYTES_PER_PARAM
+) -> dict[int, StateLayout]:
+    """What one differential iteration protects on each global rank, at the largest slice:
+    the gradient record (one tensor per weight) and the slice's tensors, as the
+    ``StateLayout`` the planner schedules like a full snapshot (DP replicas split it).
+    With ``k = 1``: the full state (``presets.layouts``)."""
+    if k == 1:
+        return layouts(scn)
+    topo = scn.topology
+    per_pp = []
+    for pp in range(topo.num_pp):
+        groups, _ = tensor_groups(scn, pp)
+        a = assign_slices(groups, k)
+        sizes = slice_nbytes(groups, a, k)
+        worst = max(range(k), key=lambda j: (sizes[j], -j))
+        members = {g.name for g, j in zip(groups, a, strict=True) if j == worst}
+        record = [
+            TensorSpec(
+                name=f"grad.{t.name[len('model.') :]}",
+                nbytes=t.nbytes // WEIGHT_BYTES_PER_PARAM * grad_bytes_per_param,
+            )
+            for t in rank_tensors(scn, pp)
+            if t.name.startswith("model.")
+        ]
+        full = [t for t in rank_tensors(scn, pp) if _group_name(t.name) in members]
+        per_pp.append(tuple(record + full))
+    return {
+        g: StateLayout(rank=g, tensors=per_pp[topo.coords(g).pp], replicas=topo.replicas(g))
+        for g in range(topo.world_size)
+    }
+
+
+def _group_name(tensor_name: str) -> str:
+    kind, _, rest = tensor_name.partition(".")
+    return rest if kind == "model" else rest.rsplit(".", 1)[0]
 
 
 def bubbles_per_pp(scn: Scenario) -> tuple[tuple[float, ...], float]:
@@ -229,7 +269,9 @@ def model_differential(
     ]
     diff = [-(-payload_nbytes(records[pp], slices[pp]) // dp) for pp in range(topo.num_pp)]
     diff_sent = _sends(scn, red, diff)
-    retained = [-(-retained_nbytes(records[pp], slices[pp]) // dp) for pp in range(topo.num_pp)]
+    retained = [
+        -(-retained_nbytes(records[pp], slices[pp], padded=True) // dp) for pp in range(topo.num_pp)
+    ]
     diff_held = _held(scn, red, retained)  # the store's payloads, protected like snapshots
     rows = []
     for pp in range(topo.num_pp):
@@ -275,7 +317,7 @@ def model_differential(
 
 
 def to_dict(model: DifferentialModel) -> dict[str, Any]:
-    """JSON-ready form (``baft simulate --json``)."""
+    """JSON-ready form (``baft simulate --json``; ``summary_lines`` renders it)."""
     worst = {
         f: model.worst(f)
         for f in (
@@ -301,6 +343,7 @@ def to_dict(model: DifferentialModel) -> dict[str, Any]:
         "grad_bytes_per_param": model.grad_bytes_per_param,
         "replay_steps": model.replay_steps,
         "replay_s": model.replay_s,
+        "least_idle_s": min(r.idle_s for r in model.rows),
         "nic_full_fraction": worst["full_send_nbytes"] / model.nic_Bps / model.iteration_s,
         "nic_diff_fraction": worst["diff_send_nbytes"] / model.nic_Bps / model.iteration_s,
         "worst_per_gpu": worst,
@@ -315,36 +358,33 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB"
 
 
-def _diff_line(model: DifferentialModel) -> str:
-    w = model.worst
-    if model.full_every == 1:
-        if model.full_fits:
+def _diff_line(d: dict[str, Any]) -> str:
+    w = d["worst_per_gpu"]
+    if d["full_every"] == 1:
+        if d["full_fits"]:
             return "  differential:  not needed, full snapshots fit every iteration (full_every=1)"
         return "  differential:  no full_every copies less than the whole state (full_every=1)"
-    sent = w("diff_send_nbytes")
     return (
-        f"  differential:  copy {_gb(w('diff_nbytes'))} (record {_gb(w('record_nbytes'))} + "
-        f"slice {_gb(w('slice_nbytes'))} of the stage, /dp), NIC sends {_gb(sent)} "
-        f"({sent / model.nic_Bps / model.iteration_s:.1%}), {w('diff_s') * 1e3:.1f} ms: "
-        + ("fits" if model.fits else "does not fit")
+        f"  differential:  copy {_gb(w['diff_nbytes'])} (record {_gb(w['record_nbytes'])} + "
+        f"slice {_gb(w['slice_nbytes'])} of the stage, /dp), NIC sends "
+        f"{_gb(w['diff_send_nbytes'])} ({d['nic_diff_fraction']:.1%}), "
+        f"{w['diff_s'] * 1e3:.1f} ms: " + ("fits" if d["fits"] else "does not fit")
     )
 
 
-def summary_lines(model: DifferentialModel) -> list[str]:
-    """Human-readable rows for ``baft simulate`` (worst GPU per column)."""
-    w, it, gb = model.worst, model.iteration_s, _gb
-    least_idle = min(r.idle_s for r in model.rows)
+def summary_lines(d: dict[str, Any]) -> list[str]:
+    """Human-readable rows for ``baft simulate`` from ``to_dict``'s dict (worst GPU)."""
+    w = d["worst_per_gpu"]
     return [
-        f"differential checkpoints (full_every={model.full_every}, redundancy "
-        f"{model.redundancy}, grads {model.grad_bytes_per_param} B/param), worst GPU per "
+        f"differential checkpoints (full_every={d['full_every']}, redundancy "
+        f"{d['redundancy']}, grads {d['grad_bytes_per_param']} B/param), worst GPU per "
         "iteration:",
-        f"  full snapshot: copy {gb(w('full_nbytes'))}, NIC sends {gb(w('full_send_nbytes'))} "
-        f"({w('full_send_nbytes') / model.nic_Bps / it:.1%} of the iteration), "
-        f"{w('full_s') * 1e3:.1f} ms vs least idle {least_idle * 1e3:.1f} ms: "
-        + ("fits" if model.full_fits else "does not fit"),
-        _diff_line(model),
-        f"  host store per GPU: full {gb(w('full_store_nbytes'))}, differential "
-        f"{gb(w('diff_store_nbytes'))}; recovery replays <= {model.replay_steps} steps "
-        f"(+{model.replay_s * 1e3:.0f} ms)",
-        f"  K: {model.reason}",
+        f"  full snapshot: copy {_gb(w['full_nbytes'])}, NIC sends {_gb(w['full_send_nbytes'])} "
+        f"({d['nic_full_fraction']:.1%} of the iteration), {w['full_s'] * 1e3:.1f} ms vs least "
+        f"idle {d['least_idle_s'] * 1e3:.1f} ms: " + ("fits" if d["full_fits"] else "does not fit"),
+        _diff_line(d),
+        f"  host store per GPU: full {_gb(w['full_store_nbytes'])}, differential "
+        f"{_gb(w['diff_store_nbytes'])}; recovery replays <= {d['replay_steps']} steps "
+        f"(+{d['replay_s'] * 1e3:.0f} ms)",
+        f"  K: {d['reason']}",
     ]

@@ -204,7 +204,10 @@ def _rebuild(run: Run, factory: Factory, v: int) -> tuple[Net, torch.optim.Optim
     params = dict(model.named_parameters())
     groups = [TensorGroup(n, p.numel() * 4) for n, p in params.items()]
     slices = dict(zip(params, assign_slices(groups, K), strict=True))
-    base = {n: base_version(slices[n], v, K) for n in params}
+    # anchor=True: versions 0..K-2 also rebuild (from version 0's copies of every group)
+    bases = {n: base_version(slices[n], v, K, anchor=True) for n in params}
+    base = {n: b for n, b in bases.items() if b is not None}
+    assert len(base) == len(bases)
     assert len(set(base.values())) > 1 or v == 0  # groups really come from several versions
     for n, p in params.items():
         weight, state = run.copies[base[n]][n]

@@ -73,8 +73,9 @@ def test_assign_slices_properties(sizes: list[int], k: int) -> None:
 
 def test_slice_for_version_and_payload_contents() -> None:
     assert [slice_for_version(v, 3) for v in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-    assert slices_in_payload(5, 3, first_version=5) == (0, 1, 2)  # the anchor
-    assert slices_in_payload(6, 3, first_version=5) == (0,)
+    assert slices_in_payload(5, 3, first_version=5) == (2,)
+    assert slices_in_payload(5, 3, first_version=5, anchor=True) == (0, 1, 2)
+    assert slices_in_payload(6, 3, first_version=5, anchor=True) == (0,)
     assert not has_record(5, 3, first_version=5)
     assert has_record(6, 3, first_version=5)
     assert not has_record(6, 1, first_version=5)  # k=1: full snapshots, no record
@@ -82,57 +83,88 @@ def test_slice_for_version_and_payload_contents() -> None:
         slices_in_payload(4, 3, first_version=5)
 
 
-def test_base_version_and_window_from_the_start_of_a_run() -> None:
+def test_base_version_and_window_without_an_anchor() -> None:
     k = 3
-    # version 1: slice 0 refreshed at 0 (the anchor), slices 1 at 1, slice 2 still the anchor
-    assert [base_version(j, 1, k) for j in range(k)] == [0, 1, 0]
-    assert list(window(1, k)) == [0, 1]
     assert [base_version(j, 7, k) for j in range(k)] == [6, 7, 5]
     assert list(window(7, k)) == [5, 6, 7]
-    # after a restart at version 10: the anchor is 10
-    assert [base_version(j, 10, k, first_version=10) for j in range(k)] == [10, 10, 10]
-    assert [base_version(j, 11, k, first_version=10) for j in range(k)] == [10, 10, 11]
-    assert list(window(11, k, first_version=10)) == [10, 11]
+    # version 1 of a fresh run: slice 2 has no copy yet, so nothing is rebuildable
+    assert [base_version(j, 1, k) for j in range(k)] == [0, 1, None]
+    with pytest.raises(ValueError, match="completes at version 2"):
+        window(1, k)
+    assert list(window(2, k)) == [0, 1, 2]
+    # a rotation started at 10 (after a restore from DCP) completes at 12
+    assert [base_version(j, 11, k, first_version=10) for j in range(k)] == [None, 10, 11]
+    assert list(window(12, k, first_version=10)) == [10, 11, 12]
     assert list(window(9, 1)) == [9]
 
 
-@given(st.integers(0, 50), st.integers(0, 30), st.integers(1, 9))
-def test_window_is_exactly_what_the_bases_need(first: int, offset: int, k: int) -> None:
+def test_base_version_and_window_with_an_anchor() -> None:
+    k = 3
+    # version 1: slice 0 at 0 (the anchor holds every slice), slice 1 at 1, slice 2 anchor
+    assert [base_version(j, 1, k, anchor=True) for j in range(k)] == [0, 1, 0]
+    assert list(window(1, k, anchor=True)) == [0, 1]
+    assert [base_version(j, 10, k, first_version=10, anchor=True) for j in range(k)] == [10] * 3
+    assert [base_version(j, 11, k, first_version=10, anchor=True) for j in range(k)] == [
+        10,
+        10,
+        11,
+    ]
+    assert list(window(11, k, first_version=10, anchor=True)) == [10, 11]
+    assert list(window(20, k, first_version=10, anchor=True)) == [18, 19, 20]
+
+
+@given(st.integers(0, 50), st.integers(0, 30), st.integers(1, 9), st.booleans())
+def test_window_is_exactly_what_the_bases_need(
+    first: int, offset: int, k: int, anchor: bool
+) -> None:
     v = first + offset
-    bases = [base_version(j, v, k, first) for j in range(k)]
+    if not rebuildable(v, k, first, anchor=anchor):
+        assert not anchor and v < first + k - 1
+        assert any(base_version(j, v, k, first) is None for j in range(k))
+        return
+    bases = [base_version(j, v, k, first, anchor=anchor) for j in range(k)]
     for j, b in enumerate(bases):
-        assert first <= b <= v
-        assert b == first or b % k == j
+        assert b is not None and first <= b <= v
+        assert b % k == j or (anchor and b == first)
         # the copy taken at b is carried by payload b, and no newer payload refreshes j
-        assert j in slices_in_payload(b, k, first)
-        assert all(j not in slices_in_payload(u, k, first) for u in range(b + 1, v + 1))
+        assert j in slices_in_payload(b, k, first, anchor=anchor)
+        later = range(b + 1, v + 1)
+        assert all(j not in slices_in_payload(u, k, first, anchor=anchor) for u in later)
     # window = the oldest base .. v: slices at the bases plus records b+1..v (steps b..v-1)
-    assert window(v, k, first) == range(min(bases), v + 1)
-    assert all(has_record(u, k, first) for u in range(min(bases) + 1, v + 1)) or k == 1
+    oldest = min(b for b in bases if b is not None)
+    assert window(v, k, first, anchor=anchor) == range(oldest, v + 1)
+    assert k == 1 or all(has_record(u, k, first) for u in range(oldest + 1, v + 1))
 
 
-def test_rebuildable_needs_the_whole_window() -> None:
-    assert rebuildable(0, 4)
-    assert not rebuildable(3, 4, first_version=5)
+def test_rebuildable_needs_a_whole_rotation_and_the_whole_window() -> None:
+    assert not rebuildable(0, 4) and not rebuildable(2, 4) and rebuildable(3, 4)
+    assert rebuildable(0, 4, anchor=True) and rebuildable(0, 1)
+    assert not rebuildable(3, 4, first_version=5, anchor=True)
     committed = {3, 4, 5, 6, 7}
     assert rebuildable(7, 4, available=committed)
     assert not rebuildable(7, 4, available=committed - {5})
-    assert rebuildable(7, 4, first_version=6, available={6, 7})
+    assert not rebuildable(7, 4, first_version=6, available={6, 7})
+    assert rebuildable(7, 4, first_version=6, available={6, 7}, anchor=True)
     assert newest_rebuildable({0, 1, 2, 4, 5, 6}, 3) == 6  # 6 needs 4..6 only
     assert newest_rebuildable({0, 1, 2, 4, 6}, 3) == 2  # 6 needs 5, 4 needs 3
     assert newest_rebuildable({0, 1, 2, 3, 4, 6}, 3) == 4
+    assert newest_rebuildable({0, 1}, 3) is None  # the first rotation is not complete
+    assert newest_rebuildable({0, 1}, 3, anchor=True) == 1
     assert newest_rebuildable({5}, 3) is None  # needs 3, 4
-    assert newest_rebuildable({5}, 3, first_version=5) == 5
+    assert newest_rebuildable({5}, 3, first_version=5, anchor=True) == 5
 
 
 def test_payload_and_retained_bytes() -> None:
     assert payload_nbytes(100, (1000,)) == 1000  # k=1: no record
     assert payload_nbytes(100, (400, 350, 250)) == 500
     assert retained_nbytes(100, (1000,)) == 2000
-    # steady: 1000 + 400 + 4*100 = 1800; right after the anchor: 2000 + 300 = 2300
-    assert retained_nbytes(100, (400, 350, 250)) == 2300
+    # k+1 payloads: 1000 + 400 + 4*100 = 1800; padded: 4 * 500
+    assert retained_nbytes(100, (400, 350, 250)) == 1800
+    assert retained_nbytes(100, (400, 350, 250), padded=True) == 2000
+    # right after an anchor: 2000 + 3*100 = 2300
+    assert retained_nbytes(100, (400, 350, 250), anchor=True) == 2300
     # large record: steady 1000 + 400 + 4*1000 = 5400 > 2000 + 3*1000
-    assert retained_nbytes(1000, (400, 350, 250)) == 5400
+    assert retained_nbytes(1000, (400, 350, 250), anchor=True) == 5400
 
 
 def test_choose_full_every_smallest_k_that_fits() -> None:
@@ -156,12 +188,15 @@ def test_choose_full_every_spills_with_the_least_bytes() -> None:
 
 def test_choose_full_every_memory_budget() -> None:
     groups = [100] * 8
-    # capacity alone would pick k=4 (250 B); its store needs max(800+200+5*50, 1600+200)
+    # capacity alone picks k=4 (250 B); with an anchor its store needs
+    # max(800 + 200 + 5*50, 1600 + 4*50) = 1800, without one 1250
     sizes4 = slice_nbytes(_groups(*groups), assign_slices(_groups(*groups), 4), 4)
-    assert retained_nbytes(50, sizes4) == 1800
-    assert choose_full_every(50, groups, 300, memory_budget_nbytes=1800)[0] == 4
-    # 1700: k=1 (1600) and k=2 (1700) stay; neither fits 300 B, k=2 (450 B) is the least
-    k, reason = choose_full_every(50, groups, 300, memory_budget_nbytes=1700)
+    assert retained_nbytes(50, sizes4, anchor=True) == 1800
+    assert retained_nbytes(50, sizes4) == 1250
+    assert choose_full_every(50, groups, 300, memory_budget_nbytes=1250)[0] == 4
+    assert choose_full_every(50, groups, 300, memory_budget_nbytes=1800, anchor=True)[0] == 4
+    # anchor, 1700: k=1 (1600) and k=2 (1700) stay; neither fits 300 B, k=2 (450 B) least
+    k, reason = choose_full_every(50, groups, 300, memory_budget_nbytes=1700, anchor=True)
     assert k == 2
     assert "150 B spills" in reason and "refused by the memory budget" in reason
     k, reason = choose_full_every(50, groups, 300, memory_budget_nbytes=1000)

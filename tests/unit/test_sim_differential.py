@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from baft.plan.rotation import assign_slices, payload_nbytes, retained_nbytes, slice_nbytes
+from baft.plan.types import CheckpointPolicy
+from baft.sim.command import evaluate
 from baft.sim.differential import (
     GRAD_BYTES_PER_PARAM,
     bubbles_per_pp,
     model_differential,
+    payload_layouts,
     summary_lines,
     tensor_groups,
     to_dict,
 )
-from baft.sim.presets import build_scenario, rank_tensors
+from baft.sim.presets import build_scenario, layouts, rank_tensors
 
 # llama2-7b on 16 A100s: tp=2, pp=4, dp=2, two nodes; xor:2 pairs the GPUs with the same
 # local index on the two nodes: pp 0 with pp 2, pp 1 with pp 3; each holds a parity
@@ -40,7 +45,11 @@ def _expected(pp: int, k: int, dp: int) -> tuple[int, int, int]:
     record = params * GRAD_BYTES_PER_PARAM
     sizes = slice_nbytes(groups, assign_slices(groups, k), k)
     state = sum(g.nbytes for g in groups)
-    return -(-state // dp), -(-payload_nbytes(record, sizes) // dp), retained_nbytes(record, sizes)
+    return (
+        -(-state // dp),
+        -(-payload_nbytes(record, sizes) // dp),
+        retained_nbytes(record, sizes, padded=True),
+    )
 
 
 def test_plenty_of_idle_keeps_full_snapshots() -> None:
@@ -55,7 +64,7 @@ def test_plenty_of_idle_keeps_full_snapshots() -> None:
         assert r.full_s == pytest.approx(full / 12.8e9 + full / 20e9)
         # double-buffered: its own shard and the parity it holds for the pair
         assert r.full_store_nbytes == 2 * (full + max(full, _expected(PARTNER[r.pp], 1, 2)[0]))
-    assert "not needed" in summary_lines(m)[2]
+    assert "not needed" in summary_lines(to_dict(m))[2]
 
 
 def test_tight_bubbles_choose_the_smallest_k_that_fits_on_every_rank() -> None:
@@ -80,7 +89,7 @@ def test_tight_bubbles_choose_the_smallest_k_that_fits_on_every_rank() -> None:
     _, d_prev, _ = _expected(deciding.pp, k - 1, 2)
     assert d_prev * per_byte > idle
     assert m.reason.startswith(f"pp={deciding.pp}: full_every={k}")
-    lines = summary_lines(m)
+    lines = summary_lines(to_dict(m))
     assert "does not fit" in lines[1] and lines[2].endswith("fits")
     assert f"replays <= {k - 1} steps" in lines[3]
 
@@ -105,7 +114,7 @@ def test_fixed_full_every_redundancy_none_and_bf16_grads() -> None:
     assert row.diff_nbytes == -(-(2 * params + max(sizes)) // 2)
     assert row.full_send_nbytes == row.diff_send_nbytes == 0
     assert row.full_store_nbytes == 2 * row.full_nbytes
-    assert row.diff_store_nbytes == -(-retained_nbytes(2 * params, sizes) // 2)
+    assert row.diff_store_nbytes == -(-retained_nbytes(2 * params, sizes, padded=True) // 2)
     d = to_dict(m)
     assert d["full_every"] == 3 and d["nic_diff_fraction"] == 0.0
     assert d["worst_per_gpu"]["diff_nbytes"] == max(r.diff_nbytes for r in m.rows)
@@ -132,4 +141,37 @@ def test_bubbles_from_the_simulator() -> None:
     assert len(idle) == 4 and it > 0
     assert all(0 < x < it for x in idle)
     m = model_differential(SCN, idle, iteration_s=it)
-    assert m.full_every >= 1 and len(summary_lines(m)) == 5
+    assert m.full_every >= 1 and len(summary_lines(to_dict(m))) == 5
+
+
+def test_payload_layouts_hold_the_record_and_the_largest_slice() -> None:
+    lays = payload_layouts(SCN, 3)
+    assert set(lays) == set(range(SCN.topology.world_size))
+    for rank, lay in lays.items():
+        pp = SCN.topology.coords(rank).pp
+        groups, params = tensor_groups(SCN, pp)
+        sizes = slice_nbytes(groups, assign_slices(groups, 3), 3)
+        assert lay.nbytes == params * GRAD_BYTES_PER_PARAM + max(sizes)
+        assert lay.replicas == SCN.topology.replicas(rank)
+        names = [t.name for t in lay.tensors]
+        assert len(names) == len(set(names))
+        assert sum(n.startswith("grad.") for n in names) == len(groups)
+    assert payload_layouts(SCN, 1) == layouts(SCN)
+
+
+@pytest.mark.timeout(120)
+def test_simulate_reports_differential_next_to_full() -> None:
+    scn = build_scenario("llama2-7b", "h100", 16)
+    kw = {"mtbf_s": 6 * 3600.0, "storage_Bps": 0.5e9, "restart_s": 60.0}
+    result = evaluate(scn, CheckpointPolicy(), **kw)
+    d = result["differential"]
+    assert d["full_every"] > 1 and d["replay_steps"] == d["full_every"] - 1
+    assert not d["full_fits"]
+    assert d["worst_per_gpu"]["diff_nbytes"] < d["worst_per_gpu"]["full_nbytes"]
+    # planned and replayed on the simulator like the full snapshots: less exposed
+    assert d["mode"]["exposed_s"] < result["modes"]["baft"]["exposed_s"]
+    assert d["mode"]["full_every"] == d["full_every"]
+    assert d["mode"]["replay_s"] == d["replay_s"] > 0
+    lines = summary_lines(d)
+    assert lines[0].startswith(f"differential checkpoints (full_every={d['full_every']}")
+    json.dumps(result)  # JSON-ready
