@@ -569,10 +569,11 @@ class SnapshotStore:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def reclaim_unless_holding(self, version: int | None) -> bool:
-        """Free this store unless it holds a complete ``version``; if it does, keep only
-        that version (other slots' manifests and the commit record now name it alone, so
-        no version of an abandoned timeline can mix into a later restore). Returns
-        whether the store was removed."""
+        """Free this store unless it holds a complete ``version``; if it does, forget every
+        newer version (slot manifests dropped, the commit record names ``version``), so no
+        version of the abandoned timeline can mix into a later restore; older ones stay (a
+        differential rotation may need them to rebuild ``version``). Returns whether the
+        store was removed."""
         keep = None
         if version is not None:
             for slot in range(self.num_slots):
@@ -583,7 +584,8 @@ class SnapshotStore:
             self.destroy()
             return True
         for slot in range(self.num_slots):
-            if slot != keep:
+            rec = _try(self._read_slot, slot)
+            if slot != keep and (rec is None or _version_of(rec) > version):  # type: ignore[operator]
                 self._manifest_file(slot).unlink(missing_ok=True)
         self.commit(version)  # type: ignore[arg-type]
         return False

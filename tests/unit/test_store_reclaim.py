@@ -50,7 +50,7 @@ def _dirs(root: Path, job: str = "job") -> list[str]:
     return sorted(f"{p.parent.name}/{p.name}" for p in root.glob(f"{job}/node*/rank*"))
 
 
-def test_reclaim_unless_holding_keeps_only_the_restored_version(tmp_path: Path) -> None:
+def test_reclaim_unless_holding_drops_the_versions_after_the_restored_one(tmp_path: Path) -> None:
     _store_with(tmp_path, "job", 0, 0, (4, 5))
     _store_with(tmp_path, "job", 0, 1, (3,))
     keep = SnapshotStore(tmp_path, "job", 0, 0, 0)
