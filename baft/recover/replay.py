@@ -169,7 +169,8 @@ def replay(
     state its optimizer creates in ``__init__``, e.g. Adagrad's). ``records`` are the
     consecutive steps ``s0 .. v - 1``; the record of step ``s`` is applied to the params
     whose base is ``<= s`` (the others keep ``grad=None``, so the optimizer skips them),
-    with each param group's hyperparameters set from the record. On return every param
+    with each param group's hyperparameters set from the record. Params of the optimizer
+    missing from ``params`` are not stepped. On return every param
     and its state are at version ``v`` (bit-identical to the failure-free run).
 
     The optimizer's step hooks are not run (they ran in the original step; baft's own
@@ -180,7 +181,8 @@ def replay(
     ``v - 1``, so no record holds them). Each param's ``.grad`` is put back to the tensor
     (or ``None``) it held on entry, and GradScaler's attributes (``grad_scale``,
     ``found_inf``) to what they were. Raises ``ValueError`` (nothing stepped) when the
-    optimizer is not replay-safe, names or steps do not line up, or a recorded grad does
+    optimizer is not replay-safe, names or steps do not line up (a record with a grad for
+    a name not in ``params`` too: filter records for a partial replay), or a recorded grad does
     not match its param's shape or dtype.
     """
     why = replay_safe(optimizer)
@@ -189,10 +191,15 @@ def replay(
     by_param = _check_inputs(optimizer, params, base_version, records)
     step_fn = _unhooked_step(optimizer)
     saved_grads = {name: p.grad for name, p in params.items()}
+    # params of the optimizer that the caller did not name are not replayed: no grad
+    others = [p for g in optimizer.param_groups for p in g["params"] if p not in by_param]
+    others_grads = [p.grad for p in others]
     saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     saved_scaler = {k: getattr(optimizer, k) for k in _SCALER_ATTRS if hasattr(optimizer, k)}
     spare: dict[str, torch.Tensor] = {}  # one grad buffer per param, reused every step
     try:
+        for p in others:
+            p.grad = None
         for rec in records:
             for name, p in params.items():
                 g = rec.grads.get(name) if base_version[name] <= rec.step else None
@@ -221,6 +228,8 @@ def replay(
             _set_entries(group, hyper)
         for name, p in params.items():
             p.grad = saved_grads[name]
+        for p, grad in zip(others, others_grads, strict=True):
+            p.grad = grad
         _set_scaler(optimizer, saved_scaler)
 
 

@@ -258,7 +258,8 @@ def model_differential(
         sizes = [-(-x.nbytes // dp) for x in groups[pp]]
         chosen.append(choose_full_every(-(-records[pp] // dp), sizes, capacity, max_k))
     if full_every is None:
-        deciding = max(range(topo.num_pp), key=lambda pp: (chosen[pp][0], -pp))
+        # the rank needing the largest k; among those, the one with the least idle
+        deciding = max(range(topo.num_pp), key=lambda pp: (chosen[pp][0], -idle_s[pp], -pp))
         k, reason = chosen[deciding][0], f"pp={deciding}: {chosen[deciding][1]}"
     else:
         if full_every < 1:

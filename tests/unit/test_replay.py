@@ -338,6 +338,17 @@ def test_replay_skips_hooks_and_restores_grads_and_entries() -> None:
     assert model.a.weight.grad is kept_grad and model.b.bias.grad is None
     assert int(opt.state[model.b.bias]["step"]) == 1  # stepped with the recorded grad
     assert torch.equal(rec.grads["a.weight"], torch.ones_like(model.a.weight))  # record intact
+    # a param the caller leaves out is not stepped, even with a grad, and keeps it
+    side = model.side.weight
+    before, side_grad = side.detach().clone(), side.grad
+    named = {n: p for n, p in params.items() if n != "side.weight"}
+    rec1 = record_step(opt, names, 1)
+    with pytest.raises(ValueError, match="grad for unknown 'side.weight'"):
+        replay(opt, named, dict.fromkeys(named, 1), [rec1])  # names must line up
+    del rec1.grads["side.weight"]
+    replay(opt, named, dict.fromkeys(named, 1), [rec1])
+    assert torch.equal(side, before) and side.grad is side_grad
+    assert int(opt.state[side]["step"]) == 1 and int(opt.state[model.c.bias]["step"]) == 2
 
 
 def test_replay_rejects_inputs_that_do_not_line_up() -> None:
