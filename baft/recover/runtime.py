@@ -3,18 +3,27 @@
 Every process runs :func:`recover_and_start` right after the process group is up (a
 fresh job finds empty stores and starts at iteration 0):
 
-1. **Inventory.** Each rank opens its node's store and verifies every checksum.
+1. **Inventory.** The hosts of all ranks are gathered; every store directory of the job
+   in a host's store root (the rank's own, and any left by an earlier rank numbering) is
+   inventoried by one rank of that host (:class:`HostStores`, ``reader_of``). A shard is
+   known by what it holds (the manifest's rank and ``(pp, dp, tp)``), not by who reads it.
 2. **Agree.** Inventories are all-gathered on the checkpoint group and every rank runs
-   the pure coordinator on the same inputs, so all reach the same :class:`RecoveryPlan`.
-3. **Rebuild.** Peer pieces (replicas, parity inputs) move on the checkpoint group, in
-   plan order, tags = position in the plan; decoding ranks rebuild their shard.
-4. **Load.** DP replicas exchange shards (broadcast in dp order) to rebuild the full flat
-   state, which is written into the live parameters and optimizer state; the RNG state
-   travels inside the flat state; the data position is the version itself.
+   the pure coordinator on the same inputs, so all reach the same :class:`RecoveryPlan`:
+   shards read on the needing rank's host, moved from another host's memory, copied from
+   a replica or decoded from parity. Only the bytes the plan reads are checksummed unless
+   that finds a problem. A job that made progress never starts over silently.
+3. **Rebuild.** Peer pieces (whole shards, replicas, parity inputs) move on the
+   checkpoint group, in plan order, tags = position in the plan; decoding ranks rebuild
+   their shard. Every byte is read through the store (``SnapshotStore.read``).
+4. **Load.** DP replicas exchange shards point to point on the transport to rebuild the
+   full flat state, which is written into the live parameters and optimizer state; the
+   RNG state travels inside the flat state; the data position is the version itself.
+   Then stores no current rank writes and no later restore needs are freed.
 5. **Report.** Rank 0 appends the recovery (version, lost iterations, source of every
-   shard, seconds per phase) to ``RUN_DIR/recoveries.jsonl``. After a hang the record
-   also says who hung (``hang``) and splits ``detect`` (freeze to the first rank that
-   noticed) from ``restart``, from the watchdog's ``hangs.jsonl``.
+   shard and the store and host it came from, seconds per phase) to
+   ``RUN_DIR/recoveries.jsonl``. After a hang the record also says who hung (``hang``)
+   and splits ``detect`` (freeze to the first rank that noticed) from ``restart``, from
+   the watchdog's ``hangs.jsonl``.
 """
 
 from __future__ import annotations
