@@ -45,6 +45,13 @@ class RunnerState:
     def capture(self) -> None:
         self._rng.copy_(torch.get_rng_state())
 
+    def named_params(self) -> dict[str, torch.Tensor]:
+        return {fqn: p for m in self.runner.modules for fqn, p in m.named_parameters()}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.runner.optimizer
+
     def apply(self) -> None:
         torch.set_rng_state(self._rng.clone())
 

@@ -36,6 +36,7 @@ import torch
 
 from baft.config import CheckpointConfig
 from baft.engine.device import ChunkCopy, DeviceCopy, pin_host_buffer
+from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, persist_name
 from baft.engine.planning import (
@@ -55,6 +56,7 @@ from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.cost import CostModel
 from baft.plan.inputs import bmap_from_json, layout_from_json
+from baft.plan.payload import PayloadLayout, auto_full_every
 from baft.plan.planner import plan as make_plan
 from baft.plan.types import CheckpointPlan, StateLayout, Task
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
@@ -83,6 +85,13 @@ class StateSource(Protocol):
     def apply(self) -> None:
         """Load the small state from its tensors into the live objects (after a restore)."""
         ...
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        """Parameter FQN -> parameter (the ``model.<fqn>`` tensors' owners)."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
 
 
 @dataclass
@@ -144,10 +153,23 @@ class CheckpointEngine:
         self.group_layout: GroupLayout | None = None
         self.exchange: RedundancyExchange | None = None
         self.schedule = SnapshotSchedule()
+        self.source = self.flat
+        """The bytes a version's snapshot tasks copy: the flat state, or (differential)
+        that version's payload."""
         self.worker_thread: threading.Thread | None = None
         """Set while snapshots run on the worker itself (naive-async)."""
         self.skip_version: int | None = None
         """The version a restore brought back: it is committed already, not rewritten."""
+        self.k = 1
+        """full_every of the current plan (1: whole state every version)."""
+        self.first_version: int | None = None
+        """First version of the current rotation (differential: versions before
+        ``first_version + k - 1`` are not rebuildable)."""
+        self.payload: PayloadViews | None = None
+        self.records: RecordCapture | None = None
+        self._k_reason = "full_every=1"
+        self._persist_copy: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._persist_buf: torch.Tensor | None = None
         self.plan_iteration = ck.profile_iters
         self.last_metrics: dict[str, Any] = {}
         self._profile: list[dict[str, Any]] = []
@@ -167,13 +189,28 @@ class CheckpointEngine:
             rank=self.rank, tensors=self.flat.specs(), replicas=self.topology.replicas(self.rank)
         )
 
-    def start(self, resume_iteration: int, restored_version: int | None = None) -> None:
+    def start(
+        self,
+        resume_iteration: int,
+        restored_version: int | None = None,
+        first_version: int | None = None,
+    ) -> None:
         """Train from ``resume_iteration``; ``restored_version`` is what a restore from
-        memory brought back (committed already). Re-plans at once from a saved profile.
-        Collective: every rank calls it once."""
+        memory brought back (committed already), ``first_version`` the start of its
+        differential rotation (its payloads stay in the store and the rotation goes on).
+        Re-plans at once from a saved profile. Collective: every rank calls it once."""
         self.skip_version = restored_version
+        self.first_version = first_version
         if restored_version is not None:
             self.votes.adopt(restored_version)
+        if self.policy.full_every != 1:
+            from baft.recover.replay import replay_safe
+
+            why = replay_safe(self.state.optimizer)
+            if why is None:
+                self.records = RecordCapture(self.state.optimizer, self.state.named_params())
+            else:
+                log.warning("differential checkpoints off (full_every=1): %s", why)
         self.plan_iteration = max(resume_iteration, 0) + self.ck.profile_iters
         saved = load_plan_input(self.run_dir)
         if saved is not None:
@@ -235,15 +272,34 @@ class CheckpointEngine:
         layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
         if layouts[self.rank] != self.layout():
             raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
-        plan = make_plan(
-            bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), self.policy
-        )
+        cost = CostModel.from_measurements(plan_input["cost"])
+        k = self._choose_k(bubbles, layouts, cost)
+        if k != self.k and self.plan is not None:  # a new rotation: old payloads do not mix
+            self.store.clear_versions()
+            self.votes.adopt(None)
+            self.first_version = None
+        self.k = k
+        if k > 1:
+            payload = PayloadLayout.of(self.flat.specs(), k)
+            self.payload = PayloadViews(payload, self.state.named_tensors())
+            layouts = {
+                r: StateLayout(
+                    rank=r,
+                    tensors=PayloadLayout.of(lay.tensors, k).specs(),
+                    replicas=lay.replicas,
+                )
+                for r, lay in layouts.items()
+            }
+        else:
+            self.payload = None
+        plan = make_plan(bubbles, layouts, cost, self.policy)
         self.plan = plan
-        self.schedule = SnapshotSchedule.of(plan, self.rank, self.flat)
+        self.source = self.payload.flat(0, None) if self.payload is not None else self.flat
+        self.schedule = SnapshotSchedule.of(plan, self.rank, self.source)
         shard_sizes = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
         self.group_layout = group_layouts(self.topology, self.redundancy, shard_sizes)[self.rank]
         self._allocate_everywhere(
-            self.schedule.nbytes, self.group_layout.redundancy_nbytes(self.rank)
+            self.schedule.nbytes, self.group_layout.redundancy_nbytes(self.rank), max(2, k + 1)
         )
         self.exchange = RedundancyExchange(
             self.group_layout if self.redundancy.kind != "none" else None,
@@ -259,26 +315,48 @@ class CheckpointEngine:
             f"redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
             f"same-host stores, {paths['net'] / 2**20:.1f} MiB over the network"
         )
-        log.info("checkpoint plan (%s): %s; %s", source, plan.reason, via)
+        log.info("checkpoint plan (%s): %s; %s; %s", source, plan.reason, self._k_reason, via)
 
-    def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int) -> None:
+    def _choose_k(
+        self, bubbles: dict[int, Any], layouts: dict[int, StateLayout], cost: CostModel
+    ) -> int:
+        """full_every of this plan: the policy's, or with ``auto`` the largest any rank's
+        bubbles need (the same on every rank: a function of the shared plan inputs)."""
+        if self.records is None:
+            self._k_reason = "full_every=1"
+            return 1
+        if self.policy.full_every >= 1:
+            self._k_reason = f"full_every={self.policy.full_every} (configured)"
+            return self.policy.full_every
+        fanout = {"none": 0.0, "replicate": float(self.redundancy.k)}.get(self.redundancy.kind, 1.0)
+        choices = {
+            r: auto_full_every(
+                lay.tensors, bubbles[r].capacity_s(), cost.copy_Bps, cost.net_Bps, fanout
+            )
+            for r, lay in layouts.items()
+        }
+        worst = max(choices, key=lambda r: (choices[r][0], -r))
+        self._k_reason = f"auto, rank {worst}: {choices[worst][1]}"
+        return choices[worst][0]
+
+    def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
         """Allocate the store; collective, so that a rank over its memory budget (or a
         full tmpfs) fails every rank with the same error instead of leaving its peers
         blocked in the next collective until they time out."""
         error: str | None = None
         try:
-            self._allocate(data_nbytes, red_nbytes)
+            self._allocate(data_nbytes, red_nbytes, num_slots)
         except MemoryBudgetError as e:
             error = str(e)
         errors = [e for e in self.transport.all_gather_object(error) if e]
         if errors:
             raise MemoryBudgetError(errors[0])
 
-    def _allocate(self, data_nbytes: int, red_nbytes: int) -> None:
+    def _allocate(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
         """(Re)create the store's slots; on CUDA pin them so device copies are DMA."""
-        self.store.allocate(data_nbytes, red_nbytes)
+        self.store.allocate(data_nbytes, red_nbytes, num_slots)
         if self.device.type == "cuda":
-            for slot in (0, 1):
+            for slot in range(num_slots):
                 pin_host_buffer(torch.from_numpy(self.store.data_view(slot)))
 
     # ------------------------------------------------------------------ hooks
@@ -293,9 +371,9 @@ class CheckpointEngine:
         if spill:
             # Copies that fit no bubble start now on an asynchronous copier and finish by
             # the deadline, instead of stalling the host just before the step.
-            cur = self._current(iteration)
+            cur = self._current(iteration)  # (differential: resolves this version's pieces)
             if cur is not None:
-                for task, pieces in spill:
+                for task, pieces in self.schedule.by_slot[SPILL]:
                     self._snapshot(
                         cur, task, pieces, timeline, "iteration_start",
                         exposed=False, copier=self.spill_copier,
@@ -324,6 +402,8 @@ class CheckpointEngine:
         v = self._current(iteration)
         if v is not None:
             self._finish_snapshot(v, timeline)
+        if self.records is not None:  # what this step consumes: the next payload's record
+            self.records.take(iteration)
         self._fire("step", iteration)
 
     def _finish_snapshot(self, v: Version, timeline: IterationTimeline) -> None:
@@ -384,15 +464,27 @@ class CheckpointEngine:
         if iteration == self.skip_version:  # restored from memory: already committed there
             return None
         self._resolve_commit()
-        if self.persists.reading_other_than(self.committed):
+        if self.k == 1 and self.persists.reading_other_than(self.committed):
             self.persists.join()  # never overwrite a slot the persister still reads
         if not self.store.path.exists():  # store lost under a live rank: start it afresh
             self._quiesce()
-            self._allocate(self.store.data_view(0).size, self.store.red_view(0).size)
-        slot = self.store.begin(iteration)
+            n = self.store.num_slots
+            self._allocate(self.store.data_view(0).size, self.store.red_view(0).size, n)
+            self.first_version = None
+        if self.first_version is None:
+            self.first_version = iteration
+        keep = range(max(self.first_version, iteration - self.k), iteration)
+        slot = self.store.begin(iteration, keep=keep if self.k > 1 else ())
         data = torch.from_numpy(self.store.data_view(slot))
         red = torch.from_numpy(self.store.red_view(slot))
         self._cur = Version(iteration, slot, data, red)
+        if self.payload is not None and self.records is not None:
+            record = self.records.for_version(iteration)
+            self.source = self.payload.flat(iteration, record)
+            assert self.plan is not None
+            self.schedule = SnapshotSchedule.of(self.plan, self.rank, self.source)
+            self._cur.has_record = record is not None
+            self._start_persist_copy(iteration)
         if self.exchange is not None:
             self.exchange.begin(data, red, iteration)
         self.store.publish(iteration, slot, 0)
@@ -413,7 +505,7 @@ class CheckpointEngine:
         lo = task.offset - self.schedule.owned_start
         out = v.data[lo : lo + task.nbytes]
         copier = copier or self.copier
-        copy = copier.start(self.flat.pairs(pieces, out))  # returns at once if async
+        copy = copier.start(self.source.pairs(pieces, out))  # returns at once if async
         v.done.add(task.chunk_id)
         v.snapshot_bytes += task.nbytes
         chunk_id = task.chunk_id
@@ -483,12 +575,60 @@ class CheckpointEngine:
             owned_stop=s.owned_stop,
             chunks=chunks,
             regions=regions,
-            meta={"position": iteration, "flat_nbytes": self.flat.nbytes},
+            meta=self._version_meta(v),
         )
         self.store.complete(v.slot, manifest)
 
+    def _version_meta(self, v: Version) -> dict[str, Any]:
+        meta: dict[str, Any] = {"position": v.version, "flat_nbytes": self.flat.nbytes}
+        if self.payload is not None:
+            meta["diff"] = {
+                "k": self.k,
+                "slice": v.version % self.k,
+                "first_version": self.first_version,
+                "has_record": v.has_record,
+                "payload_nbytes": self.payload.layout.nbytes,
+            }
+        return meta
+
+    def _start_persist_copy(self, iteration: int) -> None:
+        """Differential: a slot holds a payload, not the state, so every
+        ``persist_every``-th version this DP replica's share of whole tensors is also copied
+        from the live state to a host buffer (on the asynchronous copier, done by the step
+        deadline) that the persister reads once the version commits."""
+        every = self.policy.persist_every
+        if self.persists.persister is None or not every or iteration % every:
+            return
+        self.persists.join()  # the buffer is reused
+        c, num_dp = self.topology.coords(self.rank), self.topology.num_dp
+        owned = [
+            (n, t) for i, (n, t) in enumerate(self.state.named_tensors()) if i % num_dp == c.dp
+        ]
+        flat = FlatState(owned)
+        if self._persist_buf is None or self._persist_buf.numel() != flat.nbytes:
+            self._persist_buf = torch.empty(flat.nbytes, dtype=torch.uint8)
+            if self.device.type == "cuda":
+                pin_host_buffer(self._persist_buf)
+        buf = self._persist_buf
+        self.spill_copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
+        views = {
+            persist_name(n): buf[off : off + t.numel() * t.element_size()]
+            .view(t.dtype)
+            .view(t.shape)
+            for n, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True)
+        }
+        self._persist_copy = (iteration, views)
+
     def _resolve_commit(self) -> None:
         version = self.votes.resolve()
+        if version is not None and self.k > 1:
+            if self._persist_copy is not None and self._persist_copy[0] == version:
+                views = self._persist_copy[1]
+                self._persist_copy = None
+                self._fire("persist", version)
+                meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
+                self.persists.start(version, lambda: views, meta)
+            return
         if version is not None and self.persists.due(self.votes.num_committed):
             self._fire("persist", version)
             slot = next(

@@ -46,6 +46,8 @@ class Version:
         self.snapshot_bytes = 0
         self.protected: set[int] = set()
         self.snapshot_event: threading.Event | None = None
+        self.has_record = False
+        """Differential: the payload carries the record of step ``version - 1``."""
         self.seconds: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
         """Seconds per protect component (see COMPONENTS), summed over threads."""
 
