@@ -196,16 +196,16 @@ class Run:
         self.entries.append(_entries(self.opt))
 
 
-def _rebuild(run: Run, factory: Factory, v: int) -> tuple[Net, torch.optim.Optimizer]:
-    """A fresh model/optimizer restored from the k=3 rotation and replayed up to v."""
+def _rebuild(run: Run, factory: Factory, v: int, k: int = K) -> tuple[Net, torch.optim.Optimizer]:
+    """A fresh model/optimizer restored from a k-slice rotation and replayed up to v."""
     torch.manual_seed(123)  # different init: every value must come from copies + replay
     model = Net(run.model.side_parity).to(run.device)
     opt = factory(_groups(model))
     params = dict(model.named_parameters())
     groups = [TensorGroup(n, p.numel() * 4) for n, p in params.items()]
-    slices = dict(zip(params, assign_slices(groups, K), strict=True))
-    # anchor=True: versions 0..K-2 also rebuild (from version 0's copies of every group)
-    bases = {n: base_version(slices[n], v, K, anchor=True) for n in params}
+    slices = dict(zip(params, assign_slices(groups, k), strict=True))
+    # anchor=True: versions 0..k-2 also rebuild (from version 0's copies of every group)
+    bases = {n: base_version(slices[n], v, k, anchor=True) for n in params}
     base = {n: b for n, b in bases.items() if b is not None}
     assert len(base) == len(bases)
     assert len(set(base.values())) > 1 or v == 0  # groups really come from several versions
@@ -256,6 +256,17 @@ def test_replay_from_rotating_copies_is_bit_exact(case: str, device: str) -> Non
     model, opt = _rebuild(run, factory, N_STEPS)
     for (n, p), q in zip(model.named_parameters(), run.model.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("k", [2, 5, 7])
+@pytest.mark.parametrize(
+    "case", ["adamw-foreach", "sgd-nesterov-wd-foreach", "rmsprop-centered-momentum-foreach"]
+)
+def test_replay_with_other_rotation_lengths(case: str, k: int) -> None:
+    run = Run(CASES[case])
+    for v in range(N_STEPS + 1):
+        model, opt = _rebuild(run, CASES[case], v, k)
+        _assert_same(run.model, run.opt, run.copies[v], model, opt)
 
 
 def _train_state(factory: Factory, steps: int, device: str) -> tuple[Net, torch.optim.Optimizer]:
