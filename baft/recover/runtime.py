@@ -141,6 +141,12 @@ def recover_and_start(
     plan, reason, located = _agree(
         stores, engine.transport, engine.topology, engine.redundancy, persisted
     )
+    window = None
+    if plan.source == "memory":
+        plan, reason, window = _agree_window(
+            stores, engine.transport, engine.topology, engine.redundancy, located, plan,
+            reason, persisted,
+        )  # fmt: skip
     t_inventory = time.time() - t0
     _never_silently_fresh(plan, reason, located, run_dir, ck.allow_fresh_start, engine.rank)
     if plan.source == "fresh" and attempt == 0 and not located.holds_shards():
@@ -150,7 +156,13 @@ def recover_and_start(
     if injector is not None:
         injector.fire("recovery", plan.version or 0)
     t1 = time.time()
-    if plan.source == "memory":
+    if window is not None:  # differential: every payload of the window, then replay
+        payloads = {int(p.version or 0): _rebuild_payload(engine, stores, p) for p in window.plans}
+        t_transfer = time.time() - t1
+        t2 = time.time()
+        done = _replay_window(engine, window, payloads)
+        report.record["replay"] = done
+    elif plan.source == "memory":
         shard = _rebuild_shard(stores, engine.transport, engine.rank, plan)
         t_transfer = time.time() - t1
         t2 = time.time()
@@ -192,9 +204,162 @@ def recover_and_start(
     if engine.rank == 0:
         log.info("recovery: %s", reason)
     stores.drop_read_caches()
-    engine.start(resume, restored_version=plan.version if plan.source == "memory" else None)
+    engine.start(
+        resume,
+        restored_version=plan.version if plan.source == "memory" else None,
+        first_version=window.first_version if window is not None else None,
+    )
     report.first_iteration_started()
     return resume, report
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A differential restore: the payload versions of one rotation window and how to
+    obtain each (one RecoveryPlan per version, all from memory)."""
+
+    k: int
+    first_version: int
+    plans: tuple[RecoveryPlan, ...]
+
+
+def _diff_meta(located: Located) -> dict[int, dict[str, Any]]:
+    """Version -> its differential meta (k, slice, first_version, ...) from any manifest."""
+    out: dict[int, dict[str, Any]] = {}
+    for loc in located.stores:
+        for x in loc.inventory.versions:
+            d = x.manifest.meta.get("diff") if x.manifest is not None else None
+            if d:
+                out.setdefault(x.version, d)
+    return out
+
+
+def _only(located: Located, version: int) -> list[LocatedInventory]:
+    return [
+        dataclasses.replace(
+            loc,
+            inventory=dataclasses.replace(
+                loc.inventory,
+                versions=tuple(x for x in loc.inventory.versions if x.version == version),
+            ),
+        )
+        for loc in located.stores
+    ]
+
+
+def _window_plans(
+    topology: Topology, redundancy: Redundancy, located: Located, newest: int
+) -> tuple[Window | None, list[str]]:
+    """The newest version ``<= newest`` whose whole rotation window every rank can
+    rebuild, with a plan per payload; or None and why each candidate failed."""
+    from baft.recover.differential import window_of
+
+    meta = _diff_meta(located)
+    why: list[str] = []
+    for v in sorted((u for u in meta if u <= newest), reverse=True):
+        k, first = int(meta[v]["k"]), int(meta[v]["first_version"])
+        win = window_of(v, k, first)
+        if win is None:
+            why.append(f"v={v}: rotation from v{first} not a whole window of {k} old")
+            continue
+        plans = []
+        for u in win:
+            if (meta.get(u) or {}).get("k") != k or (meta.get(u) or {}).get(
+                "first_version"
+            ) != first:
+                why.append(f"v={v}: payload v{u} is not of the same rotation")
+                break
+            p, reason = coordinate_located(topology, redundancy, _only(located, u), located.hosts)
+            if p.source != "memory" or p.version != u:
+                why.append(f"v={v}: payload v{u} cannot be rebuilt ({reason})")
+                break
+            plans.append(p)
+        else:
+            return Window(k, first, tuple(plans)), why
+    return None, why
+
+
+def _agree_window(
+    stores: HostStores,
+    transport: Transport,
+    topology: Topology,
+    redundancy: Redundancy,
+    located: Located,
+    plan: RecoveryPlan,
+    reason: str,
+    persisted: tuple[int, ...],
+) -> tuple[RecoveryPlan, str, Window | None]:
+    """For differential payloads: the newest version whose whole window is rebuildable
+    (verifying the bytes each payload's plan reads; a problem anywhere re-inventories
+    with every checksum, as ``_agree`` does), else DCP or a fresh start. Versions of full
+    snapshots pass through unchanged (window None). Collective."""
+    if plan.version is None or not _diff_meta(located):
+        return plan, reason, None
+    me = transport.rank
+    window, why = _window_plans(topology, redundancy, located, plan.version)
+    if window is not None:
+        problems = [m for p in window.plans for m in _verify_reads(stores, me, p)]
+        if any(transport.all_gather_object(problems)):
+            mine = [ref for ref in stores.refs() if reader_of(ref, located.hosts) == me]
+            full = stores.inventories(mine, verify=True)
+            located = Located(located.hosts, _gathered(transport.all_gather_object(full)))
+            window, why = _window_plans(topology, redundancy, located, plan.version)
+    if window is not None:
+        v = window.plans[-1]
+        bases = f"payloads v{window.plans[0].version}..v{v.version} (full_every={window.k})"
+        return v, f"v={v.version} from memory, differential: {bases}", window
+    detail = "; ".join(why) or "no differential payloads"
+    if persisted:
+        version = max(persisted)
+        return (
+            RecoveryPlan(version=version, source="disk"),
+            (
+                f"v={version} from disk (newest persisted): no rotation window rebuildable "
+                f"from memory ({detail})"
+            ),
+            None,
+        )
+    return (
+        RecoveryPlan(version=None, source="fresh"),
+        (f"fresh start: no rotation window rebuildable from memory ({detail})"),
+        None,
+    )
+
+
+def _rebuild_payload(
+    engine: CheckpointEngine, stores: HostStores, plan: RecoveryPlan
+) -> torch.Tensor:
+    """The whole stage's payload of ``plan.version``: this rank's shard (local, replica or
+    decoded) and the DP replicas' shares, assembled. Collective."""
+    shard = _rebuild_shard(stores, engine.transport, engine.rank, plan)
+    total = sum(plan.shard_nbytes[r] for r in engine.topology.replicas(engine.rank))
+    out = torch.empty(total, dtype=torch.uint8)
+
+    def write(pos: int, piece: torch.Tensor) -> None:
+        out[pos : pos + piece.numel()].copy_(piece)
+
+    _exchange_replicas(engine.transport, engine.topology, engine.rank, plan, shard, write)
+    return out
+
+
+def _replay_window(
+    engine: CheckpointEngine, window: Window, payloads: dict[int, torch.Tensor]
+) -> dict[str, Any]:
+    """Newest slices + replayed records into the live state, then the small state."""
+    from baft.plan.payload import PayloadLayout
+    from baft.recover.differential import rebuild_from_payloads
+
+    layout = PayloadLayout.of(engine.flat.specs(), window.k)
+    v = window.plans[-1].version
+    assert v is not None
+    t0 = time.time()
+    done = rebuild_from_payloads(
+        layout, payloads, v, window.first_version, dict(engine.state.named_tensors()),
+        engine.state.optimizer, engine.state.named_params(),
+    )  # fmt: skip
+    engine.apply_rng()
+    done["seconds"] = round(time.time() - t0, 6)
+    return done
 
 
 def _never_silently_fresh(
