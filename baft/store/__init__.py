@@ -2,7 +2,8 @@
 
 - ``coding``: redundancy policies, coding groups, stripe layout, encode / rebuild (pure).
 - ``manifest``: manifest, commit and inventory records with xxh3 checksums.
-- ``shm``: the per-rank two-slot shared-memory store.
+- ``shm``: the per-rank shared-memory store (version slots; its own read path).
+- ``peer``: read-only view of a same-host rank's store (redundancy moved once).
 - ``inspect``: ``baft inspect`` over a store directory.
 """
 
@@ -28,7 +29,13 @@ from baft.store.manifest import (
     chunk_records,
     region_records,
 )
-from baft.store.shm import DEFAULT_ROOT, MemoryBudgetError, SnapshotStore, find_stores
+from baft.store.shm import (
+    DEFAULT_ROOT,
+    MemoryBudgetError,
+    SnapshotStore,
+    StoreReadError,
+    find_stores,
+)
 
 __all__ = [
     "DEFAULT_ROOT",
@@ -43,6 +50,7 @@ __all__ = [
     "RegionRecord",
     "Segment",
     "SnapshotStore",
+    "StoreReadError",
     "Transfer",
     "UnrecoverableError",
     "VersionInfo",
