@@ -2,8 +2,11 @@
 
 BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
 """Modes implemented in :mod:`baft.bench.baselines`."""
-ENGINE_MODES = ("naive-async", "baft")
-"""Modes provided by ``baft.engine.engine.CheckpointEngine``."""
+ENGINE_MODES = ("naive-async", "baft-full", "baft")
+"""Modes provided by ``baft.engine.engine.CheckpointEngine``: ``baft`` is the default
+engine (differential checkpoints, ``full_every`` as the policy says, ``auto`` unless set),
+``baft-full`` the same engine with the whole state every version (``full_every=1``), and
+``naive-async`` full snapshots all started at the iteration's start (:mod:`baft.bench.naive`)."""
 PEER_MODES = ("lm-resiliency", "dlrover-flash")
 """Modes backed by published libraries (:mod:`baft.bench.peers`, the ``peers`` extra)."""
 ALL_MODES = ("none", *BASELINE_MODES, *ENGINE_MODES, *PEER_MODES)

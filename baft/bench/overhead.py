@@ -96,7 +96,8 @@ class OverheadConfig:
     ranks_per_node: int = 1
     """Ranks per simulated node (failure domain) for the engine's redundancy."""
     checkpoint: str = "every=1,redundancy=xor:2,persist=0"
-    """Policy of the engine modes (``naive-async``, ``baft``), CheckpointPolicy syntax."""
+    """Policy of the engine modes, CheckpointPolicy syntax (``baft-full`` and
+    ``naive-async`` always use ``full_every=1``)."""
     store_root: str = "/dev/shm/baft"
     """Shared-memory root of the engine modes' snapshot stores."""
 
@@ -151,6 +152,8 @@ class OverheadConfig:
         from baft.config import CheckpointConfig
 
         ck = CheckpointConfig.parse(self.checkpoint)
+        if mode != "baft":  # the baselines of the engine protect the whole state
+            ck.policy.full_every = 1
         ck.store_root = self.store_root
         ck.job_id = engine_job_id(self.out_dir, mode)
         ck.persist_dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")

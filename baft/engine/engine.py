@@ -86,6 +86,11 @@ class StateSource(Protocol):
         """Load the small state from its tensors into the live objects (after a restore)."""
         ...
 
+    def check_layout(self, saved: list[tuple[str, int]]) -> None:
+        """Raise ValueError naming the differences unless ``saved`` ((name, bytes) as
+        :meth:`named_tensors` names them) is this layout; before restored bytes are written."""
+        ...
+
     def named_params(self) -> dict[str, torch.Tensor]:
         """Parameter FQN -> parameter (the ``model.<fqn>`` tensors' owners)."""
         ...
@@ -204,7 +209,7 @@ class CheckpointEngine:
         if restored_version is not None:
             self.votes.adopt(restored_version)
         if self.policy.full_every != 1:
-            from baft.recover.replay import replay_safe
+            from baft.pipeline.replay import replay_safe
 
             why = replay_safe(self.state.optimizer)
             if why is None:

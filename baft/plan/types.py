@@ -206,7 +206,7 @@ class CheckpointPolicy:
     """With "stretch": accepted exposed seconds per iteration, as a fraction of the iteration."""
     spread_margin: float = 0.0
     """Plan on ``idle_s - spread_margin * spread_s`` per slot (0 = on the median)."""
-    full_every: int = 1
+    full_every: int = 0
     """Differential checkpoints: every tensor's full copy is refreshed at least every
     ``full_every`` iterations and each iteration protects the gradient record of the last
     step plus one slice of the full state (see :mod:`baft.plan.payload`); 1 = the whole

@@ -7,7 +7,7 @@ the payloads of ``v - k + 1 .. v`` of a stage (every DP replica's share assemble
    payload of the window that carries its slice (its *base* version ``b``);
 2. the always-tensors (RNG, buffers, small state) come from payload ``v`` itself;
 3. the gradient records of steps ``v - k + 1 .. v - 1`` (in payloads ``v - k + 2 .. v``)
-   are replayed with the live optimizer (:func:`baft.recover.replay.replay`), each group
+   are replayed with the live optimizer (:func:`baft.pipeline.replay.replay`), each group
    from its own base on, which gives version ``v`` bit-exactly.
 
 A window with a missing payload, or a record that is not the step it should be, makes
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from baft.engine.differential import decode_meta
+from baft.pipeline.replay import StepRecord, replay
 from baft.plan.payload import GRAD_PREFIX, RECORD_META, PayloadLayout
 from baft.plan.types import TensorSpec
-from baft.recover.replay import StepRecord, replay
 
 
 class RestoreError(RuntimeError):

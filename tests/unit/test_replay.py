@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from baft.pipeline.replay import REPLAY_SAFE, StepRecord, record_step, replay, replay_safe
 from baft.plan.rotation import TensorGroup, assign_slices, base_version
-from baft.recover.replay import REPLAY_SAFE, StepRecord, record_step, replay, replay_safe
 
 N_STEPS = 7
 K = 3
