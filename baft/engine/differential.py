@@ -23,7 +23,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from baft.engine.flat import FlatState
-from baft.pipeline.state import decode_hypers, encode_hypers, param_group_hypers
+from baft.pipeline.state import (
+    decode_hypers,
+    decode_value,
+    encode_hypers,
+    encode_value,
+    param_group_hypers,
+)
 from baft.plan.payload import GRAD_PREFIX, RECORD_META, PayloadLayout
 
 
@@ -40,6 +46,9 @@ class Record:
     """Group (parameter FQN) -> its gradient as the optimizer read it, None if it had none."""
     hypers: bytes
     """Every param group's hyperparameters at the step (``encode_hypers``)."""
+    scaler: dict[str, torch.Tensor] | None = None
+    """``grad_scale``/``found_inf`` a ``torch.amp.GradScaler`` set on a fused optimizer
+    for the step (the grads are then still scaled and the step unscales them)."""
 
 
 def encode_meta(record: Record | None, capacity: int) -> torch.Tensor:
@@ -48,8 +57,14 @@ def encode_meta(record: Record | None, capacity: int) -> torch.Tensor:
         body = b'{"step": null}'
     else:
         present = [g for g, t in record.grads.items() if t is not None]
+        scaler = {k: encode_value(t.detach().cpu(), k) for k, t in (record.scaler or {}).items()}
         body = json.dumps(
-            {"step": record.step, "present": present, "hypers": record.hypers.decode()}
+            {
+                "step": record.step,
+                "present": present,
+                "hypers": record.hypers.decode(),
+                "scaler": scaler,
+            }
         ).encode()
     if len(body) + 8 > capacity:
         raise ValueError(
@@ -70,6 +85,7 @@ def decode_meta(blob: torch.Tensor) -> dict[str, Any]:
     meta = json.loads(bytes(blob[8 : 8 + n].numpy()).decode())
     if meta.get("step") is not None:
         meta["groups"] = decode_hypers(meta.pop("hypers").encode())
+        meta["scaler"] = {k: decode_value(v) for k, v in (meta.get("scaler") or {}).items()}
     return meta
 
 
@@ -88,7 +104,12 @@ class RecordCapture:
             for g, p in self.params.items()
         }
         hypers = encode_hypers(param_group_hypers(self.optimizer))
-        self.last = Record(step, grads, hypers)
+        scaler = {
+            k: t.detach().clone()
+            for k in ("grad_scale", "found_inf")
+            if isinstance(t := getattr(self.optimizer, k, None), torch.Tensor)
+        }
+        self.last = Record(step, grads, hypers, scaler or None)
 
     def for_version(self, version: int) -> Record | None:
         """The record a payload of ``version`` carries: that of step ``version - 1``."""

@@ -100,7 +100,8 @@ def rebuild_from_payloads(
             off, n = where[GRAD_PREFIX + g]
             p = params[g]
             grads[g] = raw[off : off + n].view(p.dtype).view(p.shape)
-        records.append(StepRecord(step=u - 1, grads=grads, groups=meta["groups"]))
+        scaler = {k: v.to(next(iter(params.values())).device) for k, v in meta["scaler"].items()}
+        records.append(StepRecord(step=u - 1, grads=grads, groups=meta["groups"], scaler=scaler))
     base_of = {g: bases[layout.slice_of[g]] for g in layout.groups}
     # replay leaves the param groups as they are: version v's hyperparameters are the
     # live ones (or were loaded with the small state of payload v)
