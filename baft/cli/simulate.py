@@ -104,6 +104,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diff_row(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``baft-diff``: baft with differential checkpoints (gradient record + one slice per
+    iteration, full_every as the model chose), next to full snapshots."""
+    d = result.get("differential")
+    return [(f"baft-diff (K={d['full_every']})", d["mode"])] if d else []
+
+
 def render_result(result: dict[str, Any]) -> str:
     """Human-readable report of ``evaluate``'s dict (a rich table when rich is present)."""
     lay, ck = result["layout"], result["checkpoint"]
@@ -126,10 +133,15 @@ def render_result(result: dict[str, Any]) -> str:
             f"{m['expected_lost_s']:.1f}",
             f"{m['goodput_loss_fraction']:.3%}",
         )
-        for name, m in result["modes"].items()
+        for name, m in [*result["modes"].items(), *_diff_row(result)]
     ]
     assumptions = "\n".join(f"  {k}: {v}" for k, v in result["assumptions"].items())
-    tail = f"\nbaft plan: {result['modes']['baft']['reason']}\nassumptions:\n{assumptions}"
+    tail = f"\nbaft plan: {result['modes']['baft']['reason']}"
+    if "differential" in result:
+        from baft.sim.differential import summary_lines
+
+        tail += "\n" + "\n".join(summary_lines(result["differential"]))
+    tail += f"\nassumptions:\n{assumptions}"
     if result["notes"]:
         tail += "\nnotes:\n" + "\n".join(f"  {n}" for n in result["notes"])
     try:
