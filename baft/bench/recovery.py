@@ -40,8 +40,8 @@ def _cfg(a: argparse.Namespace, out: Path, inject: list[str]) -> TrainConfig:
         global_batch=4,
         out_dir=str(out),
         checkpoint=CheckpointConfig(
-            policy=CheckpointPolicy(
-                redundancy="xor:2", persist_every=a.persist_every, keep_latest=2
+            policy=CheckpointPolicy.parse(
+                f"redundancy=xor:2,persist={a.persist_every},keep=2,full_every={a.full_every}"
             ),
             profile_iters=2,
             inject=inject,
@@ -76,6 +76,8 @@ def _row(scenario: str, r: dict[str, Any]) -> dict[str, Any]:
         "lost_iterations": r["lost_iterations"],
         "shard_sources": r.get("sources", {}),
         "restore_s": sum(s.get(k, 0.0) for k in RESTORE_PHASES),
+        "replay_steps": (r.get("replay") or {}).get("replayed_steps", 0),
+        "replay_s": (r.get("replay") or {}).get("seconds", 0.0),
         "total_s": sum(s.values()),
         "seconds": s,
     }
@@ -163,7 +165,8 @@ def _markdown(result: dict[str, Any], a: argparse.Namespace) -> str:
 
     cmd = (
         f"baft bench recovery --layers {a.layers} --d-model {a.d_model} "
-        f"--iterations {a.iterations} --persist-every {a.persist_every}"
+        f"--iterations {a.iterations} --persist-every {a.persist_every} "
+        f"--full-every {a.full_every}"
     )
     lines = [
         f"# Recovery: memory (baft) vs disk (DCP) — {dt.date.today().isoformat()}",
@@ -171,20 +174,23 @@ def _markdown(result: dict[str, Any], a: argparse.Namespace) -> str:
         f"- machine: {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}, gloo",
         f"- command: `{cmd}`",
         "- job: GPT pp=2 on 2 ranks (1F1B), one rank per simulated node, xor:2 parity, "
-        f"checkpoint every iteration in memory, DCP every {a.persist_every} checkpoints",
+        f"checkpoint every iteration in memory (full_every={a.full_every}: a gradient record "
+        "and a slice of the state per iteration; a memory restore replays the records since "
+        f"each slice's copy), DCP every {a.persist_every} checkpoints",
         f"- state per rank (model + AdamW + RNG): {[f'{b / 2**20:.1f} MiB' for b in result['state_bytes_per_rank']]}",
         "- restore = inventory + transfer/decode + load. Disk rows: the DCP files were just "
         "written, so a warm page cache is the best case for storage; the cold row evicts "
         "them (posix_fadvise DONTNEED) before loading, so the load reads the local disk",
         "",
-        "| scenario | source | restored v | lost iters | restore (s) | all phases (s) | phases |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | source | restored v | lost iters | restore (s) | replay (steps, s) | all phases (s) | phases |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in r["seconds"].items())
         lines.append(
             f"| {r['scenario']} | {r['source']} | {r['restored_version']} | "
-            f"{r['lost_iterations']} | {r['restore_s']:.3f} | {r['total_s']:.2f} | {phases} |"
+            f"{r['lost_iterations']} | {r['restore_s']:.3f} | "
+            f"{r.get('replay_steps', 0)}, {r.get('replay_s', 0.0):.3f} | {r['total_s']:.2f} | {phases} |"
         )
     lines.append("")
     for k, v in result["restore_speedup_vs_disk"].items():
@@ -204,6 +210,7 @@ def add_recovery_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=512, help="hidden size (default %(default)s)")
     p.add_argument("--iterations", type=int, default=15, help="(default %(default)s)")
     p.add_argument("--persist-every", type=int, default=4, help="DCP interval in checkpoints (default %(default)s)")  # fmt: skip
+    p.add_argument("--full-every", default="3", help="differential checkpoints: full copy of every tensor at least every N iterations, 1 = whole state, auto (default %(default)s)")  # fmt: skip
     p.add_argument("--hang-timeout", type=float, default=10.0, help="--timeout of the hang row's job; 0 skips the row (default %(default)s)")  # fmt: skip
     p.add_argument("--out", default="runs/bench-recovery", help="(default %(default)s)")
     p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
