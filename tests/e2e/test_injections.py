@@ -24,12 +24,14 @@ from tests.dist.runs import run_job, tiny_config
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _config(out: Path, store: Path | None, inject: list[str], timeout_s: float = 30.0):
+def _config(
+    out: Path, store: Path | None, inject: list[str], timeout_s: float = 30.0, full_every: int = 1
+):
     cfg = tiny_config(out, iterations=10, batch=8, num_dp=2, num_pp=2, num_microbatches=2)
     if store is None:  # the unprotected reference
         return cfg
     cfg.checkpoint = CheckpointConfig(
-        policy=CheckpointPolicy(redundancy="xor:2", persist_every=2),
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=2, full_every=full_every),
         profile_iters=2,
         store_root=str(store),
         inject=inject,
@@ -117,11 +119,16 @@ CASES: dict[str, tuple[list[str], list[Options]]] = {
 }
 
 
+@pytest.mark.parametrize("full_every", [1, 2], ids=["full", "differential"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_injection(case: str, tmp_path: Path, store: Path, reference: dict[str, Any]) -> None:
+def test_injection(
+    case: str, full_every: int, tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """Every case with full snapshots and with differential checkpoints (full_every=2:
+    the rotation starts at v2, so v3 is the first rebuildable version)."""
     inject, expected = CASES[case]
     timeout = 8.0 if case == "hang" else 30.0
-    got = run_job(_config(tmp_path / case, store, inject, timeout_s=timeout))
+    got = run_job(_config(tmp_path / case, store, inject, timeout_s=timeout, full_every=full_every))
     assert [m["loss"] for m in got["metrics"]] == [m["loss"] for m in reference["metrics"]]
     assert got["summary"]["rank_digests"] == reference["summary"]["rank_digests"]
     assert got["summary"]["final_state_digest"] == reference["summary"]["final_state_digest"]
