@@ -15,7 +15,6 @@ numbers are a best case for storage.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -30,7 +29,7 @@ from baft.train.launch import launch
 RESTORE_PHASES = ("inventory", "transfer_decode", "load")
 
 
-def _cfg(a: argparse.Namespace, out: Path, inject: list[str]) -> TrainConfig:
+def _cfg(a: Any, out: Path, inject: list[str]) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=8, seq_len=32),
         parallel=ParallelConfig(
@@ -50,9 +49,7 @@ def _cfg(a: argparse.Namespace, out: Path, inject: list[str]) -> TrainConfig:
     )
 
 
-def _run(
-    a: argparse.Namespace, name: str, inject: list[str], cold: bool = False
-) -> list[dict[str, Any]]:
+def _run(a: Any, name: str, inject: list[str], cold: bool = False) -> list[dict[str, Any]]:
     out = Path(a.out) / name
     # cold: the restoring ranks evict the checkpoint's pages first (posix_fadvise), so
     # the load really reads the disk; inherited by torchrun's workers
@@ -83,7 +80,7 @@ def _row(scenario: str, r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_recovery(a: argparse.Namespace) -> int:
+def run_recovery(a: Any) -> int:
     kill_at, node_at = a.iterations // 3, 2 * a.iterations // 3
     mem = _run(a, "memory", [f"kill:rank=1,iter={kill_at}", f"node:1,iter={node_at}"])
     disk = _run(a, "disk", [f"power:iter={node_at}"])
@@ -122,7 +119,7 @@ def run_recovery(a: argparse.Namespace) -> int:
     return 0
 
 
-def _peer_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
+def _peer_rows(a: Any) -> list[dict[str, Any]]:
     """lm-resiliency's restore after the same rank crash, when the peers extra is
     installed (see :mod:`baft.bench.peer_recovery`)."""
     from baft.bench.peers import missing_peers
@@ -135,7 +132,7 @@ def _peer_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
     return [run_lm_recovery(out, layers=a.layers, d_model=a.d_model, iterations=a.iterations, verbose=a.verbose)]  # fmt: skip
 
 
-def _hang_rows(a: argparse.Namespace, at: int) -> list[dict[str, Any]]:
+def _hang_rows(a: Any, at: int) -> list[dict[str, Any]]:
     """A rank frozen with SIGSTOP (the ``freeze`` fault) at iteration ``at``: the watchdog
     of its peer notices the silent heartbeat after ``--hang-timeout`` s, kills it and
     leaves; torchrun restarts the group and it restores from memory. ``detect`` (freeze
@@ -160,7 +157,7 @@ def _state_bytes(run: Path) -> list[int]:
     return [sum(n for _, n in r["layout"]["tensors"]) for r in data["ranks"]]
 
 
-def _markdown(result: dict[str, Any], a: argparse.Namespace) -> str:
+def _markdown(result: dict[str, Any], a: Any) -> str:
     import torch  # lazy: `baft --help` should not pay for importing torch
 
     cmd = (
@@ -197,25 +194,3 @@ def _markdown(result: dict[str, Any], a: argparse.Namespace) -> str:
         lines.append(f"- restore phase, memory after a {k}: {v:.2f}x as fast as from disk")
     lines += ["", "Raw:", "```json", json.dumps(result, indent=1), "```", ""]
     return "\n".join(lines)
-
-
-def add_recovery_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "recovery",
-        help="restore after a crash and a node loss: memory vs DCP on disk",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (default %(default)s)")
-    p.add_argument("--d-model", type=int, default=512, help="hidden size (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=15, help="(default %(default)s)")
-    p.add_argument("--persist-every", type=int, default=4, help="DCP interval in checkpoints (default %(default)s)")  # fmt: skip
-    p.add_argument("--full-every", default="3", help="differential checkpoints: full copy of every tensor at least every N iterations, 1 = whole state, auto (default %(default)s)")  # fmt: skip
-    p.add_argument("--hang-timeout", type=float, default=10.0, help="--timeout of the hang row's job; 0 skips the row (default %(default)s)")  # fmt: skip
-    p.add_argument("--out", default="runs/bench-recovery", help="(default %(default)s)")
-    p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
-    p.add_argument("--no-results", action="store_true", help="do not write the results page")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--verbose", action="store_true", help="show the jobs' output")
-    p.set_defaults(func=run_recovery)
-    return p

@@ -8,7 +8,6 @@ checkpoint interval and the expected work lost per failure, with every assumptio
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 from pathlib import Path
@@ -27,7 +26,7 @@ SCENARIOS = (
 )
 
 
-def run_scale(a: argparse.Namespace) -> int:
+def run_scale(a: Any) -> int:
     policy = CheckpointPolicy(redundancy=a.redundancy)
     results: list[dict[str, Any]] = []
     for preset, hw, gpus in SCENARIOS:
@@ -53,7 +52,7 @@ def run_scale(a: argparse.Namespace) -> int:
     return 0
 
 
-def _markdown(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
+def _markdown(results: list[dict[str, Any]], a: Any) -> str:
     lines = [
         f"# SIMULATED checkpoint cost at cluster scale — {dt.date.today().isoformat()}",
         "",
@@ -81,15 +80,3 @@ def _markdown(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def add_scale_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("scale", help="SIMULATED cost on cluster presets (Llama-2, GPT-3)")
-    p.add_argument("--redundancy", default="xor:2", help="(default %(default)s)")
-    p.add_argument("--mtbf-hours", type=float, default=6.0, help="job-level MTBF (default %(default)s)")  # fmt: skip
-    p.add_argument("--storage-gbps", type=float, default=0.5, help="storage GB/s per GPU (default %(default)s)")  # fmt: skip
-    p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
-    p.add_argument("--no-results", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run_scale)
-    return p

@@ -3,8 +3,8 @@
 ``overhead`` is parsed here and run by ``baft.bench.command.measure_overhead``: one
 torchrun job, a table (or one JSON object with ``--json``) on stdout and
 ``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG next to it.
-``recovery`` and ``scale`` register their own subcommands (``baft.bench.recovery``,
-``baft.bench.scale``).
+``recovery`` and ``scale`` parse their flags here and run ``baft.bench.recovery`` and
+``baft.bench.scale``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import baft.bench.recovery as recovery_bench
+import baft.bench.scale as scale_bench
 from baft.bench.overhead import ALL_MODES, OverheadConfig
-from baft.bench.recovery import add_recovery_parser
-from baft.bench.scale import add_scale_parser
 
 DEFAULT_RESULTS_DIR = "benchmarks/results"
 """Where result pages go, relative to the working directory."""
@@ -173,3 +173,37 @@ def run_bench(args: argparse.Namespace) -> int:
             return 1
     print("baft bench: choose a benchmark: overhead, recovery, scale", file=sys.stderr)
     return 2
+
+
+def add_recovery_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "recovery",
+        help="restore after a crash and a node loss: memory vs DCP on disk",
+        description=recovery_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (default %(default)s)")
+    p.add_argument("--d-model", type=int, default=512, help="hidden size (default %(default)s)")
+    p.add_argument("--iterations", type=int, default=15, help="(default %(default)s)")
+    p.add_argument("--persist-every", type=int, default=4, help="DCP interval in checkpoints (default %(default)s)")  # fmt: skip
+    p.add_argument("--full-every", default="3", help="differential checkpoints: full copy of every tensor at least every N iterations, 1 = whole state, auto (default %(default)s)")  # fmt: skip
+    p.add_argument("--hang-timeout", type=float, default=10.0, help="--timeout of the hang row's job; 0 skips the row (default %(default)s)")  # fmt: skip
+    p.add_argument("--out", default="runs/bench-recovery", help="(default %(default)s)")
+    p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
+    p.add_argument("--no-results", action="store_true", help="do not write the results page")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verbose", action="store_true", help="show the jobs' output")
+    p.set_defaults(func=recovery_bench.run_recovery)
+    return p
+
+
+def add_scale_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("scale", help="SIMULATED cost on cluster presets (Llama-2, GPT-3)")
+    p.add_argument("--redundancy", default="xor:2", help="(default %(default)s)")
+    p.add_argument("--mtbf-hours", type=float, default=6.0, help="job-level MTBF (default %(default)s)")  # fmt: skip
+    p.add_argument("--storage-gbps", type=float, default=0.5, help="storage GB/s per GPU (default %(default)s)")  # fmt: skip
+    p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
+    p.add_argument("--no-results", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=scale_bench.run_scale)
+    return p

@@ -46,9 +46,6 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
         # import circle bench.overhead <-> bench.peers (lead: bench/ split, issue 12)
         ("baft.bench.overhead", "baft.bench.peers"),
         ("baft.bench.peers", "baft.bench.overhead"),
-        # benchmark subcommands still parse their own flags (move to baft/cli/bench.py)
-        ("baft.bench.recovery", "argparse"),
-        ("baft.bench.scale", "argparse"),
     }
 )
 """(importer, imported) pairs that break a rule today. Only ever delete lines."""
