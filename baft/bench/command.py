@@ -276,7 +276,7 @@ def write_results(
     (``.raw.json``) under ``results_dir``."""
     date = _dt.date.today().isoformat()
     results_dir.mkdir(parents=True, exist_ok=True)
-    from baft.bench.overhead import PEER_MODES
+    from baft.bench.modes import PEER_MODES
 
     peers = any(m in PEER_MODES for m in result["modes"])  # own page, beside the plain one
     policy = str(result["config"].get("checkpoint", ""))

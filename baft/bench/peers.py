@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from baft.bench.baselines import _BaselineHooks, state_nbytes
-from baft.bench.overhead import PEER_MODES
+from baft.bench.modes import PEER_MODES
 from baft.pipeline import IterationTimeline
 from baft.train.trainer import Trainer
 
