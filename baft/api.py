@@ -1,17 +1,34 @@
-"""Library face: protect your own torch.distributed.pipelining training loop.
+"""Library face: protect the torch.distributed.pipelining training loop you already have.
 
-    ft = baft.protect(schedule=schedule, stages=[stage], optimizer=opt, run_dir="runs/x")
-    start = ft.restore()                      # collective: resume point (0 on a fresh job)
+    ft = baft.protect(schedule=schedule, stages=[stage], optimizer=optimizer,       # baft
+                      run_dir="runs/x", checkpoint=baft.CheckpointConfig(...),      # baft
+                      ranks_per_node=8, state={"lr_scheduler": scheduler, "data": sampler})
+    start = ft.restore()                      # baft: collective; 0 on a fresh job
     for it in range(start, num_iterations):
-        loss = ft.step(it, inputs, target)    # pipeline step, DP grad sync, optimizer step
-    ft.close()
+        optimizer.zero_grad()
+        schedule.step(x, target=y)            # or schedule.step() / schedule.step(x) by stage
+        torch.nn.utils.clip_grad_norm_(stage.submod.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+    ft.close()                                # baft
 
-``step`` replaces the ``schedule.step(...)`` + ``optimizer.step()`` pair of a usual loop;
-between them baft runs checkpoint work in the pipeline's bubbles. Launch the script with
-torchrun and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and ``--max-restarts N``: after a
-crash every process restarts and ``restore`` brings back the newest version it can
-rebuild. Your data must be a pure function of the iteration (or restored by you from it),
-which is what makes the resumed trajectory bit-identical.
+baft finds the pipeline's bubbles through the schedule object it was given (its ``step``
+runs through baft's slots, with the same arithmetic) and takes its checkpoint work from
+the optimizer's step hooks: iteration (version) ``v`` is the ``v``-th optimizer step, and
+``restore`` returns the step to continue from. ``ft.step(it, inputs, target)`` is a
+shorthand for the loop body without clipping or a scheduler (the same trajectory).
+
+What is saved, every version: the parameters and persistent buffers of every stage
+module, the optimizer's state (created up front as its first step would, so the layout
+is fixed) and every param group's hyperparameters, the CPU (and CUDA) RNG states, and
+every ``state=`` object's ``state_dict()`` (LR schedulers, samplers, data loaders, your
+counters), encoded without pickle. LR schedulers are saved as of the next
+``schedule.step`` (your ``scheduler.step()`` follows ``optimizer.step()``), every other
+object as of the end of ``optimizer.step()``: advance your own counters before the step.
+
+Launch the script with torchrun, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and
+``--max-restarts N``: after a crash every process restarts and ``restore`` brings back
+the newest version it can rebuild, bit-identical to where the loop was.
 
 This is the one door to the engine: the reference trainer (``baft train``) goes through
 it too. It wires restore -> engine once and keeps the run's one progress record.
@@ -20,6 +37,7 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +49,8 @@ from torch.distributed.pipelining import PipelineStage
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
-from baft.pipeline.step import StepResult, StepRunner, check_optimizer
+from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
+from baft.pipeline.step import StepResult, StepRunner
 from baft.topology import Topology
 
 
@@ -56,7 +75,7 @@ def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:
 
 
 class Protected:
-    """A user's pipeline training step with baft's checkpointing and recovery."""
+    """A user's pipeline training loop with baft's checkpointing and recovery."""
 
     def __init__(
         self,
@@ -75,18 +94,42 @@ class Protected:
         self.watchdog = watchdog or NoWatchdog()
         """Heartbeat and hang detection (see :mod:`baft.engine.watchdog`)."""
         self.engine: Any = None
-        self.last_step: StepResult | None = None
-        """The last step's result (loss, timeline of slots, compute and checkpoint work)."""
         self._engine_cls = engine_cls
         self._t_launch = T_IMPORT  # about the process start: the restart phase ends here
         self._t_ready = time.time()
         """Process group up and model built (the rendezvous phase ends here)."""
         self._report: Any = None
         self._restored = False
+        runner.section = self.watchdog.section
+        runner.on_step_end.append(self._after_step)
+        runner.before_restore = self._not_restored  # the loop raises until restore()
+
+    @property
+    def state(self) -> Any:
+        """What is checkpointed: a :class:`~baft.pipeline.state.TrainingState`."""
+        return self.runner.state
+
+    @property
+    def last_step(self) -> StepResult | None:
+        """The last step's result (loss, timeline of slots, compute and checkpoint work)."""
+        return self.runner.last_step
+
+    @property
+    def iteration(self) -> int:
+        """The iteration (version) the next ``optimizer.step()`` ends."""
+        return self.runner.iteration
+
+    def _not_restored(self) -> None:
+        raise RuntimeError(
+            "step() before restore(): call start = ft.restore() first (it opens the "
+            "snapshot stores and returns the iteration to resume from); without it "
+            "nothing would be checkpointed"
+        )
 
     def restore(self) -> int:
-        """Build the engine, recover the newest rebuildable version; returns the start
-        iteration (0 on a fresh job). Collective."""
+        """Build the engine, recover the newest rebuildable version into the live model,
+        optimizer and ``state=`` objects; returns the iteration to continue from (0 on
+        a fresh job). Collective."""
         from baft.engine.build import build_engine
         from baft.recover.runtime import recover_and_start
 
@@ -95,39 +138,51 @@ class Protected:
                 "restore() was already called: call it once, before the first step()"
             )
         self._restored = True
-        if self.checkpoint is None:
-            return 0
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with self.watchdog.section("restore"):
-            kwargs = {"engine_cls": self._engine_cls} if self._engine_cls else {}
-            self.engine = build_engine(
-                self.checkpoint, self.run_dir, self.mesh, self.runner, **kwargs
-            )
-            resume, self._report = recover_and_start(
-                self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
-            )
+        self.runner.before_restore = None
+        self.runner.paused = True  # a restore may replay optimizer steps: no hooks then
+        resume = 0
+        if self.checkpoint is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with self.watchdog.section("restore"):
+                kwargs = {"engine_cls": self._engine_cls} if self._engine_cls else {}
+                self.engine = build_engine(
+                    self.checkpoint, self.run_dir, self.mesh, self.runner, **kwargs
+                )
+                resume, self._report = recover_and_start(
+                    self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
+                )
+        self.runner.iteration = resume
+        # The restored state holds the first process's shape-inference side effects.
+        self.runner.protected.undo_inference = resume > 0
+        self.runner.paused = False
+        # Version ``resume`` is the state now, at the top of the loop (after a restore:
+        # the restored state itself; on a fresh job: whatever the script set up).
+        self.runner.state.capture()
         return resume
 
     def step(
         self, iteration: int, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None
     ) -> float | None:
-        """One training iteration; returns the mean microbatch loss on the last stage."""
+        """Shorthand for one loop body without clipping or a scheduler: ``zero_grad``,
+        ``schedule.step``, DP averaging, ``optimizer.step()``; returns the mean
+        microbatch loss on the last stage."""
+        if not self._restored:
+            self._not_restored()
+        return self.runner.run_step(iteration, inputs, target).loss
+
+    def average_gradients(self) -> None:
+        """Average the gradients over the DP replicas (with dp > 1): call it after
+        ``schedule.step(...)``, before clipping and ``optimizer.step()``."""
+        self.runner.average_gradients()
+
+    def _after_step(self, result: StepResult) -> None:
         from baft.recover.runtime import write_progress
 
-        if not self._restored:
-            raise RuntimeError(
-                "step() before restore(): call start = ft.restore() first (it opens the "
-                "snapshot stores and returns the iteration to resume from); without it "
-                "nothing would be checkpointed"
-            )
-        with self.watchdog.section(f"iteration {iteration}"):
-            self.last_step = self.runner.run_step(iteration, inputs, target)
         if self.engine is not None:  # a later recovery counts the iterations it lost
-            write_progress(self.run_dir, self.mesh.rank, iteration)
+            write_progress(self.run_dir, self.mesh.rank, result.iteration)
         if self._report is not None:
             self._report.first_iteration_done(self.mesh.rank == 0)
             self._report = None
-        return self.last_step.loss
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -135,10 +190,12 @@ class Protected:
         return dict(self.engine.last_metrics) if self.engine is not None else {}
 
     def close(self) -> None:
-        """Finish the last commit and any background persist; stop the watchdog."""
+        """Finish the last commit and any background persist; stop the watchdog; give the
+        schedule and optimizer back (no more hooks)."""
         if self.engine is not None:
             with self.watchdog.section("close"):
                 self.engine.close()
+        self.runner.close()
         self.watchdog.stop()
 
 
@@ -151,20 +208,35 @@ def protect(
     device_mesh: DeviceMesh | None = None,
     checkpoint: CheckpointConfig | None = None,
     ranks_per_node: int = 0,
+    state: Mapping[str, Stateful] | None = None,
+    average_gradients: bool | None = None,
+    extra_capacity_bytes: int | Mapping[str, int] = DEFAULT_EXTRA_CAPACITY,
     checkpointing: bool = True,
     instrument: bool = True,
     engine_cls: Any = None,
 ) -> Protected:
-    """Wrap a schedule, its stages (on this rank) and an Adam/AdamW optimizer.
+    """Protect the loop over a schedule, its stages (on this rank) and their optimizer.
+
+    ``optimizer``: torch's SGD, Adam, AdamW, Adagrad or RMSprop (their state is created
+    now, as the first step would create it). ``state``: objects with ``state_dict()`` /
+    ``load_state_dict()`` to save with every version (LR schedulers, samplers, data
+    loaders, counters); keys are names of letters, digits, ``_ . -``. Each object's
+    encoded state must fit ``extra_capacity_bytes`` (per object, or a mapping by key).
 
     ``device_mesh`` has dims named ``pp``, ``dp``, ``tp`` (default: every rank a pipeline
-    stage). With dp > 1 baft averages gradients over the ``dp`` dim itself (do not wrap the
-    stages in DDP). ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
+    stage). With dp > 1 the gradients must be averaged over the ``dp`` dim before
+    ``optimizer.step()`` (do not wrap the stages in DDP): call ``ft.average_gradients()``
+    after ``schedule.step(...)`` and before clipping; or pass ``average_gradients=True``
+    to average just before the step (after any clipping), or ``False`` if your loop
+    averages them itself. Without either, ``optimizer.step()`` raises. The small state
+    (RNG, ``state=`` objects) must be the same on every DP replica of a stage.
+
+    ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
     ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
     the pipeline is bounded by ``checkpoint.timeout_s`` from here on, and a watchdog
     ends this process when a peer freezes (see :mod:`baft.engine.watchdog`).
 
-    For baselines: ``checkpointing=False`` runs the same step without checkpoints,
+    For baselines: ``checkpointing=False`` runs the same loop without checkpoints,
     ``instrument=False`` the bare torch schedule (no slots, implies no checkpoints), and
     ``engine_cls`` swaps the engine's scheduling (benchmarks' naive-async).
     """
@@ -183,6 +255,9 @@ def protect(
         num_dp=mesh.topology.num_dp,
         num_tp=mesh.topology.num_tp,
         instrument=instrument,
+        state=state,
+        extra_capacity_bytes=extra_capacity_bytes,
+        average_gradients=average_gradients,
     )
     watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
     enabled = checkpointing and instrument

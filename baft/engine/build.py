@@ -29,21 +29,40 @@ from baft.store.shm import SnapshotStore
 
 
 class RunnerState:
-    """The engine's :class:`~baft.engine.engine.StateSource` for a step runner: its
-    parameters and optimizer state, plus the CPU RNG state of the version's start."""
+    """The engine's :class:`~baft.engine.engine.StateSource` for a step runner: all of
+    its :class:`~baft.pipeline.state.TrainingState` (parameters, persistent buffers,
+    optimizer state and hyperparameters, RNG, the ``state=`` objects).
+
+    The small-state records (``extra.*``) get this rank's pipeline and tensor-parallel
+    coordinates in their names, as the engine's RNG record always had: the names of the
+    records are the same on every stage, and DCP keeps one copy of same-named plain
+    tensors. DP replicas share them (their state is identical). Parameters stay
+    ``model.<fqn>`` and optimizer state ``optim.<fqn>.<key>``; everything else (buffers,
+    records) is copied every version by differential checkpoints
+    (:func:`baft.plan.payload.group_of` is None for it).
+
+    :meth:`capture` is the version's start (its first ``schedule.step``): the LR schedulers
+    and the hyperparameters they set. The rest of the small state is captured by the runner
+    right after the previous optimizer step (:meth:`StepRunner.capture_after_step`),
+    before the loop fetches the next batch or draws from the RNG.
+    """
 
     def __init__(self, runner: StepRunner) -> None:
-        runner.init_optimizer_state()
         self.runner = runner
+        self.ts = runner.state
         c = runner.mesh.coords
-        self._rng = torch.get_rng_state().clone()
-        self._named = [*runner.named_state(), (f"extra.pp{c.pp}.tp{c.tp}.rng", self._rng)]
+        prefix = f"extra.pp{c.pp}.tp{c.tp}."
+        self._rename = {
+            n: prefix + n[len("extra.") :] if n.startswith("extra.") else n
+            for n, _ in self.ts.tensors()
+        }
+        self._named = [(self._rename[n], t) for n, t in self.ts.tensors()]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._named)
 
     def capture(self) -> None:
-        self._rng.copy_(torch.get_rng_state())
+        self.runner.capture_at_start()
 
     def named_params(self) -> dict[str, torch.Tensor]:
         return {fqn: p for m in self.runner.modules for fqn, p in m.named_parameters()}
@@ -52,8 +71,14 @@ class RunnerState:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.runner.optimizer
 
+    def check_layout(self, saved: list[tuple[str, int]]) -> None:
+        """Raise ValueError naming what differs unless ``saved`` (names, bytes as the
+        engine named them) is this state's layout. Before any restored byte is written."""
+        back = {v: k for k, v in self._rename.items()}
+        self.ts.check_layout([(back.get(n, n), b) for n, b in saved])
+
     def apply(self) -> None:
-        torch.set_rng_state(self._rng.clone())
+        self.ts.apply()
 
 
 def make_injector(ck: CheckpointConfig, run_dir: Path, mesh: Mesh) -> Any:

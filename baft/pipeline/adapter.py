@@ -82,6 +82,9 @@ class ProtectedSchedule:
         on_slot_end: Callable[[str], None] | None = None,
     ) -> None:
         self.schedule = schedule
+        self.raw_step: Any = schedule.step if schedule is not None else None
+        """The schedule's own ``step`` (taken before :class:`StepRunner` puts its wrapper
+        on the schedule object: the wrapper calls this one)."""
         self.stages = list(stages)
         self.on_slot = on_slot
         self.on_slot_end = on_slot_end
@@ -92,7 +95,11 @@ class ProtectedSchedule:
         """Bound of every pipeline send/receive wait (None: wait forever). gloo applies a
         group's timeout to collectives but not to ``Work.wait()`` of a p2p op, so a rank
         whose peer froze mid-iteration would block here forever without it."""
+        self.undo_inference = False
+        """Set in a process resumed from a checkpoint: see :meth:`_isolated`."""
         self._timeline: IterationTimeline | None = None
+        self._numbered: IterationTimeline | None = None
+        """The iteration whose waits ``_num_waits`` counts."""
         self._num_waits = 0
         if instrument:
             for stage in self.stages:
@@ -126,9 +133,40 @@ class ProtectedSchedule:
         def bwd_label(*args: Any, full_backward: bool = True, **_: Any) -> str:
             return "B" if full_backward else "I"
 
+        inference = getattr(stage, "_forward_metadata_inference", None)
+        if inference is not None:
+            stage._forward_metadata_inference = self._isolated(stage, inference)  # type: ignore[method-assign]
         stage.forward_one_chunk = timed(stage.forward_one_chunk, "F")  # type: ignore[method-assign]
         stage.backward_one_chunk = timed(stage.backward_one_chunk, bwd_label)  # type: ignore[method-assign]
         stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "W")  # type: ignore[method-assign]
+
+    def _isolated(self, stage: PipelineStage, inference: Callable[..., Any]) -> Callable[..., Any]:
+        """torch's shape inference (dynamic metadata: a stage built without
+        ``input_args``) runs a real forward on the first step of every process: dropout
+        draws from the RNG, BatchNorm updates its statistics. A restored state already
+        holds the effects of the first process's inference, so in a resumed process
+        (``undo_inference``) the RNG and the stage's buffers are put back afterwards."""
+
+        @functools.wraps(inference)
+        def isolated(*args: Any, **kwargs: Any) -> Any:
+            if not self.undo_inference:
+                return inference(*args, **kwargs)
+            cuda = stage.device.type == "cuda"
+            rng = torch.get_rng_state()
+            rng_cuda = torch.cuda.get_rng_state(stage.device) if cuda else None
+            with torch.no_grad():
+                buffers = [(b, b.clone()) for b in stage.submod.buffers()]
+            try:
+                return inference(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for b, saved in buffers:
+                        b.copy_(saved)
+                torch.set_rng_state(rng)
+                if rng_cuda is not None:
+                    torch.cuda.set_rng_state(rng_cuda, stage.device)
+
+        return isolated
 
     def slot(
         self, timeline: IterationTimeline, slot_id: str, kind: str, wait: Callable[[], Any]
@@ -185,15 +223,24 @@ class ProtectedSchedule:
         kwargs: dict[str, Any] = {}
         if self.has_last_stage:
             kwargs = {"target": target, "losses": losses}
+        self.call(timeline, *args, **kwargs)
+
+    def call(self, timeline: IterationTimeline, *args: Any, **kwargs: Any) -> Any:
+        """The schedule's own ``step(*args, **kwargs)``, its blocking waits as slots.
+
+        Several calls in one iteration (gradient accumulation) number their waits on
+        from the previous call's: slot ids stay unique within the iteration."""
+        assert self.raw_step is not None
         if not self.instrument:
-            self.schedule.step(*args, **kwargs)
-            return
+            return self.raw_step(*args, **kwargs)
+        if self._numbered is not timeline:
+            self._num_waits = 0
+            self._numbered = timeline
         self._timeline = timeline
-        self._num_waits = 0
         original = _sched._wait_batch_p2p
         _sched._wait_batch_p2p = self._wait_batch_p2p  # type: ignore[assignment]
         try:
-            self.schedule.step(*args, **kwargs)
+            return self.raw_step(*args, **kwargs)
         finally:
             _sched._wait_batch_p2p = original
             self._timeline = None

@@ -1,15 +1,25 @@
-"""One protected training step of one rank: the pipeline schedule with slots, DP gradient
-all-reduce, the pre-step window and the optimizer step.
+"""One protected training step of one rank, driven by the user's own loop.
 
-:class:`StepRunner` runs a user's stages, schedule and optimizer (``baft.protect`` wraps
-them). Checkpointing plugs in through :class:`StepHooks` (slot work inside waits, the
-pre-step window, after the step), so the step itself knows nothing about snapshots.
+:class:`StepRunner` holds a user's stages, schedule and optimizer (``baft.protect`` wraps
+them) and the rank's :class:`~baft.pipeline.state.TrainingState`. It puts itself into the
+loop the user already has, without changing its arithmetic:
+
+* the schedule object's ``step`` is wrapped: its first call of an iteration opens the
+  iteration (``before_iteration``), and every blocking pipeline wait inside is a slot;
+* an optimizer step pre-hook is the step deadline (``before_optimizer_step``, after the
+  ``pre_step`` slot), a post-hook ends the iteration (``after_step``), so the iteration
+  (version) count is the number of optimizer steps.
+
+Checkpointing plugs in through :class:`StepHooks`, so the step itself knows nothing about
+snapshots. :meth:`StepRunner.run_step` is the shorthand ``zero_grad`` + ``schedule.step``
+(+ DP averaging) + ``optimizer.step()``, through the same hooks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,18 +27,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 
 from baft.pipeline.adapter import ProtectedSchedule
 from baft.pipeline.mesh import Mesh
 from baft.pipeline.recorder import IterationTimeline
+from baft.pipeline.state import (
+    DEFAULT_EXTRA_CAPACITY,
+    Stateful,
+    TrainingState,
+    check_optimizer,
+    local,
+)
+
+__all__ = ["StepHooks", "StepResult", "StepRunner", "check_optimizer", "combine_digests", "local"]
 
 
 class StepHooks(Protocol):
     """Where checkpoint work enters the training step."""
 
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
-        """At the start of ``iteration``, before any compute."""
+        """At the start of ``iteration`` (its first ``schedule.step``), before any compute."""
 
     def on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         """At a slot, before the rank blocks (runs work planned for that bubble)."""
@@ -53,27 +71,20 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """Raise ValueError unless baft can checkpoint this optimizer's state (Adam/AdamW)."""
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        raise ValueError(
-            f"baft checkpoints Adam/AdamW state; got {type(optimizer).__name__}: "
-            "use torch.optim.AdamW or Adam"
-        )
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a (possibly DTensor) parameter or state."""
-    return t.to_local() if isinstance(t, DTensor) else t
+DP_AVERAGE_HELP = (
+    "call ft.average_gradients() after schedule.step(...) and before clipping and "
+    "optimizer.step() (or pass average_gradients=True to baft.protect to average just "
+    "before optimizer.step(), after any clipping; or average_gradients=False if your loop "
+    "averages them itself)"
+)
 
 
 class StepRunner:
-    """Runs protected training steps over given stages, schedule and optimizer.
+    """The user's stages, schedule and optimizer with baft's slots and step hooks.
 
-    The part of a training loop baft needs to own: the pipeline step with slots, the DP
-    gradient all-reduce (itself a slot), the pre-step window and the optimizer step, with
-    the checkpoint hooks in between. :class:`Trainer` builds everything from a config;
-    ``baft.api.protect`` wraps a user's own schedule, stages and optimizer.
+    :class:`~baft.train.trainer.Trainer` builds everything from a config;
+    ``baft.api.protect`` wraps a user's own schedule, stages and optimizer. Both reach
+    the hooks the same way: through the schedule's ``step`` and the optimizer's step hooks.
     """
 
     def __init__(
@@ -88,14 +99,31 @@ class StepRunner:
         num_tp: int,
         instrument: bool = True,
         hooks: StepHooks | None = None,
+        state: Mapping[str, Stateful] | None = None,
+        extra_capacity_bytes: int | Mapping[str, int] = DEFAULT_EXTRA_CAPACITY,
+        average_gradients: bool | None = None,
     ) -> None:
         self.mesh = mesh
         self.modules = modules
         self.stages = stages
+        self.schedule = schedule
         self.optimizer = optimizer
         self.num_dp = num_dp
         self.num_tp = num_tp
         self.hooks = hooks
+        self.average = average_gradients
+        """None: the user calls :meth:`average_gradients` (checked at the step when dp > 1);
+        True: averaged in the step pre-hook; False: the user's loop averages them itself."""
+        self.state = TrainingState(
+            modules,
+            optimizer,
+            state,
+            device=mesh.device,
+            extra_capacity_bytes=extra_capacity_bytes,
+            install_step_hook=False,  # called first in our post-hook (SGD momentum adoption)
+        )
+        """Everything checkpointed: params, buffers, optimizer state and hyperparameters,
+        RNG, the ``state=`` objects (see :mod:`baft.pipeline.state`)."""
         self.protected = ProtectedSchedule(
             schedule,
             stages,
@@ -104,6 +132,43 @@ class StepRunner:
             on_slot_end=self._on_slot_end,
         )
         self.params = [p for m in modules for p in m.parameters()]
+        self.iteration = 0
+        """The iteration (version) the next optimizer step ends."""
+        self.paused = False
+        """True while a restore replays optimizer steps: the hooks stand aside."""
+        self.before_restore: Callable[[], None] | None = None
+        """Set until the state is restored: raises instead of training unprotected."""
+        self.section: Callable[[str], contextlib.AbstractContextManager[None]] = lambda _: (
+            contextlib.nullcontext()
+        )
+        """Wraps baft's work of an iteration (the watchdog's named sections)."""
+        self.on_step_end: list[Callable[[StepResult], None]] = []
+        self.last_step: StepResult | None = None
+        self._tl: IterationTimeline | None = None
+        self._losses: list[torch.Tensor] = []
+        self._averaged = False
+        self._t_opt = 0.0
+        self._direct = False
+        """Inside :meth:`run_step` (benchmarks drive the bare runner, with no restore)."""
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+        self._wrapped = False
+        if instrument and schedule is not None:
+            # An instance attribute shadows the class's method: the user's schedule.step
+            # runs through the slots; ProtectedSchedule keeps the original bound method.
+            schedule.step = self._schedule_step
+            self._wrapped = True
+
+    def close(self) -> None:
+        """Remove the hooks and the schedule wrapper (the objects are the user's again)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._wrapped and self.schedule.__dict__.get("step") == self._schedule_step:
+            del self.schedule.step
+        self._wrapped = False
 
     def _on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.hooks is not None:
@@ -114,6 +179,105 @@ class StepRunner:
         if end is not None:
             end(slot_id)
 
+    # ---------------------------------------------------------------- the loop's points
+    def _begin(self) -> IterationTimeline:
+        """The open iteration's timeline; the first call of an iteration opens it."""
+        if self._tl is None:
+            it = self.iteration
+            self._tl = IterationTimeline(it, self.mesh.rank)
+            self._losses = []
+            self._averaged = False
+            if self.hooks is not None:
+                with self.section(f"iteration {it}"):
+                    self.hooks.before_iteration(it, self._tl)
+        return self._tl
+
+    def _schedule_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``schedule.step(...)``: the same call, with its waits as slots."""
+        if self.before_restore is not None and not self._direct:
+            self.before_restore()
+        if self.paused:
+            return self.protected.raw_step(*args, **kwargs)
+        tl = self._begin()
+        if kwargs.get("losses") is None and self.protected.has_last_stage:
+            kwargs["losses"] = self._losses  # for StepResult.loss; the arithmetic is unchanged
+        elif kwargs.get("losses") is not None:
+            self._losses = kwargs["losses"]
+        with self.section(f"iteration {tl.iteration}"):
+            return self.protected.call(tl, *args, **kwargs)
+
+    def average_gradients(self) -> None:
+        """Average this rank's gradients over its DP replicas (an all-reduce whose wait is
+        a slot). Call it after ``schedule.step(...)`` and before clipping and
+        ``optimizer.step()``; a no-op without DP replicas."""
+        if self.num_dp == 1:
+            return
+        if self._tl is None:
+            raise RuntimeError(
+                "average_gradients() before schedule.step(...): call it after the "
+                "iteration's schedule.step, before optimizer.step()"
+            )
+        with self.section(f"iteration {self._tl.iteration}"):
+            self._allreduce_grads(self._tl)
+        self._averaged = True
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.before_restore is not None and not self._direct:
+            self.before_restore()
+        if self.paused:
+            return
+        tl = self._begin()
+        if self.num_dp > 1 and not self._averaged:
+            if self.average is None:
+                raise RuntimeError(
+                    f"optimizer.step() with {self.num_dp} DP replicas but gradients not "
+                    f"averaged: {DP_AVERAGE_HELP}"
+                )
+            if self.average:
+                self.average_gradients()
+        with self.section(f"iteration {tl.iteration}"):
+            self.protected.slot(tl, "pre_step", "pre_step", lambda: None)
+            if self.hooks is not None:
+                self.hooks.before_optimizer_step(tl.iteration, tl)
+        self._t_opt = tl.now()
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.paused or self._tl is None:
+            return
+        tl = self._tl
+        tl.add("optimizer", "compute", self._t_opt, tl.now())
+        self.state.after_optimizer_step()  # SGD's first momentum buffers into the layout
+        if self.hooks is not None:
+            with self.section(f"iteration {tl.iteration}"):
+                self.hooks.after_step(tl.iteration, tl)
+            self.capture_after_step()
+        tl.finish()
+        losses = [x for x in self._losses if isinstance(x, torch.Tensor)]
+        loss = float(torch.stack(losses).detach().float().mean()) if losses else None
+        self.last_step = StepResult(iteration=tl.iteration, loss=loss, timeline=tl)
+        self._tl = None
+        self._losses = []
+        self.iteration = tl.iteration + 1
+        for fn in self.on_step_end:
+            fn(self.last_step)
+
+    def capture_after_step(self) -> None:
+        """The next version's small state that the loop changes before its next
+        ``schedule.step``: buffers, RNG and every ``state=`` object but LR schedulers
+        (``scheduler.step()`` follows ``optimizer.step()``: those, and the hyperparameters
+        they set, are captured at the next ``schedule.step``, see
+        :meth:`capture_at_start`)."""
+        sched = set(self.state.lr_scheduler_keys())
+        self.state.capture(
+            optimizer=False, state=[k for k in self.state.stateful if k not in sched]
+        )
+
+    def capture_at_start(self) -> None:
+        """The version's LR schedulers and hyperparameters, at its first ``schedule.step``."""
+        self.state.capture(
+            buffers=False, rng=False, optimizer=True, state=self.state.lr_scheduler_keys()
+        )
+
     # ---------------------------------------------------------------- the step
     def run_step(
         self,
@@ -121,26 +285,27 @@ class StepRunner:
         inputs: torch.Tensor | None,
         target: torch.Tensor | None,
     ) -> StepResult:
-        """Forward/backward of every microbatch, DP all-reduce, optimizer step, with hooks."""
-        tl = IterationTimeline(iteration, self.mesh.rank)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.hooks is not None:
-            self.hooks.before_iteration(iteration, tl)
-        losses: list[torch.Tensor] = []
-        self.protected.step(tl, inputs, target, losses)
-        if self.num_dp > 1:
-            self._allreduce_grads(tl)
-        self.protected.slot(tl, "pre_step", "pre_step", lambda: None)
-        if self.hooks is not None:
-            self.hooks.before_optimizer_step(iteration, tl)
-        start = tl.now()
-        self.optimizer.step()
-        tl.add("optimizer", "compute", start, tl.now())
-        if self.hooks is not None:
-            self.hooks.after_step(iteration, tl)
-        tl.finish()
-        loss = float(torch.stack(losses).detach().mean()) if losses else None
-        return StepResult(iteration=iteration, loss=loss, timeline=tl)
+        """The shorthand: ``zero_grad``, ``schedule.step``, DP averaging, ``optimizer.step()``
+        of iteration ``iteration``, through the same hooks as a user's loop."""
+        if self._tl is not None:
+            raise RuntimeError(
+                f"iteration {self._tl.iteration} is still open (schedule.step without "
+                "optimizer.step)"
+            )
+        self.iteration = iteration
+        self._direct = True
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            tl = self._begin()
+            with self.section(f"iteration {iteration}"):
+                self.protected.step(tl, inputs, target, self._losses)
+            if self.num_dp > 1 and self.average is not False:
+                self.average_gradients()
+            self.optimizer.step()
+        finally:
+            self._direct = False
+        assert self.last_step is not None and self.last_step.iteration == iteration
+        return self.last_step
 
     def _allreduce_grads(self, tl: IterationTimeline) -> None:
         grads = [local(p.grad) for p in self.params if p.grad is not None]
@@ -156,39 +321,14 @@ class StepRunner:
             offset += n
 
     # ---------------------------------------------------------------- state
-    @torch.no_grad()
-    def init_optimizer_state(self) -> None:
-        """Create AdamW's state now, exactly as its first step would (zeros, step 0).
-
-        Makes the checkpointed layout fixed from iteration 0 and lets a restore load
-        optimizer state into a fresh optimizer; the trajectory is unchanged.
-        """
-        check_optimizer(self.optimizer)
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
     def named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every checkpointable tensor of this rank, by canonical name, in canonical order.
-
-        Model parameters as ``model.<fqn>``, AdamW state as ``optim.<fqn>.<key>``; DTensors
-        are yielded as their local shard. Optimizer state exists only after the first step.
-        """
-        names = {}
-        for m in self.modules:
-            for fqn, p in m.named_parameters():
-                names[id(p)] = fqn
-                yield f"model.{fqn}", local(p.data)
-        for p in self.params:
-            state = self.optimizer.state.get(p, {})
-            for key in sorted(state):
-                value = state[key]
-                if isinstance(value, torch.Tensor):
-                    yield f"optim.{names[id(p)]}.{key}", local(value)
+        """The parameters (``model.<fqn>``) and optimizer state (``optim.<fqn>.<key>``) of
+        this rank, canonical order, DTensors as their local shard (the state exists from
+        the start: :class:`TrainingState` creates it as the first step would). The whole
+        checkpointed list, buffers and small state included, is ``self.state.tensors()``."""
+        for name, t in self.state.tensors():
+            if name.startswith(("model.", "optim.")):
+                yield name, t
 
     def state_digests(self) -> dict[str, str]:
         """sha256 of this rank's parameters, buffers and optimizer state, per tensor.

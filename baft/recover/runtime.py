@@ -153,6 +153,8 @@ def recover_and_start(
         engine.start(0)
         return 0, None
     report = RecoveryReport(run_dir, attempt)
+    if plan.source in ("memory", "disk"):
+        _check_saved_layout(engine)  # a changed model is refused before any byte is written
     if injector is not None:
         injector.fire("recovery", plan.version or 0)
     t1 = time.time()
@@ -211,6 +213,18 @@ def recover_and_start(
     )
     report.first_iteration_started()
     return resume, report
+
+
+def _check_saved_layout(engine: CheckpointEngine) -> None:
+    """Raise ValueError naming the tensors that differ unless this rank's state has the
+    layout (names, sizes) saved with the run's plan input (every rank's, at plan time)."""
+    from baft.engine.planning import load_plan_input
+
+    saved = load_plan_input(engine.run_dir)
+    ranks = (saved or {}).get("ranks") or []
+    if engine.rank < len(ranks):
+        tensors = ranks[engine.rank]["layout"]["tensors"]
+        engine.state.check_layout([(str(n), int(b)) for n, b in tensors])
 
 
 @dataclasses.dataclass(frozen=True)
