@@ -21,6 +21,7 @@ from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
 from baft.engine.persister import Persister
+from baft.engine.termination import Termination
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
 from baft.pipeline.mesh import Mesh
@@ -51,7 +52,7 @@ class RunnerState:
         self.runner = runner
         self.ts = runner.state
         c = runner.mesh.coords
-        prefix = f"extra.pp{c.pp}.tp{c.tp}."
+        self._prefix = prefix = f"extra.pp{c.pp}.tp{c.tp}."
         self._rename = {
             n: prefix + n[len("extra.") :] if n.startswith("extra.") else n
             for n, _ in self.ts.tensors()
@@ -74,8 +75,10 @@ class RunnerState:
     def check_layout(self, saved: list[tuple[str, int]]) -> None:
         """Raise ValueError naming what differs unless ``saved`` (names, bytes as the
         engine named them) is this state's layout. Before any restored byte is written."""
-        back = {v: k for k, v in self._rename.items()}
-        self.ts.check_layout([(back.get(n, n), b) for n, b in saved])
+        p = self._prefix
+        self.ts.check_layout(
+            [("extra." + n[len(p) :] if n.startswith(p) else n, b) for n, b in saved]
+        )
 
     def apply(self) -> None:
         self.ts.apply()
@@ -131,7 +134,7 @@ def build_engine(
     peers = find_same_host_peers(transport, store.path, enabled=ck.exchange == "auto")
     policy = ck.policy
     persister = None
-    if persist and ck.persist_dir and policy.persist_every:
+    if persist and ck.persist_dir and (policy.persist_every or ck.flush_on_sigterm):
         persister = Persister(
             ck.persist_dir,
             keep_latest=policy.keep_latest,
@@ -148,6 +151,7 @@ def build_engine(
         peers=peers,
         persister=persister,
         injector=make_injector(ck, run_dir, mesh),
+        termination=Termination().install() if persister and ck.flush_on_sigterm else None,
     )
     engine = engine_cls(
         ck, run_dir, topology=mesh.topology, rank=mesh.rank, device=mesh.device,

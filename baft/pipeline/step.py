@@ -103,6 +103,12 @@ class StepRunner:
         extra_capacity_bytes: int | Mapping[str, int] = DEFAULT_EXTRA_CAPACITY,
         average_gradients: bool | None = None,
     ) -> None:
+        for obj, what in ((optimizer, "optimizer"), (schedule, "schedule")):
+            if getattr(obj, "_baft_runner", None) is not None:
+                raise ValueError(
+                    f"this {what} is already protected by an earlier baft.protect(): call "
+                    "that one's close() first"
+                )
         self.mesh = mesh
         self.modules = modules
         self.stages = stages
@@ -154,11 +160,13 @@ class StepRunner:
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
+        optimizer._baft_runner = self  # type: ignore[attr-defined]
         self._wrapped = False
         if instrument and schedule is not None:
             # An instance attribute shadows the class's method: the user's schedule.step
             # runs through the slots; ProtectedSchedule keeps the original bound method.
             schedule.step = self._schedule_step
+            schedule._baft_runner = self
             self._wrapped = True
 
     def close(self) -> None:
@@ -168,7 +176,10 @@ class StepRunner:
         self._handles = []
         if self._wrapped and self.schedule.__dict__.get("step") == self._schedule_step:
             del self.schedule.step
+            del self.schedule._baft_runner
         self._wrapped = False
+        if getattr(self.optimizer, "_baft_runner", None) is self:
+            del self.optimizer._baft_runner  # type: ignore[attr-defined]
 
     def _on_slot(self, slot_id: str, kind: str, timeline: IterationTimeline) -> None:
         if self.hooks is not None:

@@ -1,7 +1,7 @@
 """Bad input to ``baft.protect`` fails at once with the exact message, on every rank.
 
 One 2-rank gloo job walks every mistake in turn (the processes start once): wrong mesh
-dim names, an optimizer baft cannot checkpoint, ``step()`` before ``restore()``, a second
+dim names, an optimizer baft cannot checkpoint (LBFGS), ``step()`` before ``restore()``, a second
 ``restore()``, and a memory budget the plan cannot fit (which must fail every rank with
 the same error, not leave one rank blocked in a collective).
 """
@@ -52,7 +52,9 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict[str, Any]:
     stage, schedule, module = _stage(rank, world)
     adamw = torch.optim.AdamW(module.parameters(), lr=1e-3)
     run = str(Path(root) / "run")
-    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(persist_every=0), store_root=str(Path(root) / "shm"))
+    ck = baft.CheckpointConfig(
+        policy=baft.CheckpointPolicy(persist_every=0), store_root=str(Path(root) / "shm")
+    )
 
     bad_mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("pp", "dp", "x"))
     out["mesh"] = _error(
@@ -60,9 +62,9 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict[str, Any]:
             schedule=schedule, stages=[stage], optimizer=adamw, run_dir=run, device_mesh=bad_mesh
         )
     )
-    sgd = torch.optim.SGD(module.parameters(), lr=1e-3)
+    lbfgs = torch.optim.LBFGS(module.parameters(), lr=1e-3)
     out["optimizer"] = _error(
-        lambda: baft.protect(schedule=schedule, stages=[stage], optimizer=sgd, run_dir=run)
+        lambda: baft.protect(schedule=schedule, stages=[stage], optimizer=lbfgs, run_dir=run)
     )
     ft = baft.protect(
         schedule=schedule,
@@ -76,13 +78,34 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict[str, Any]:
     before = [p.detach().clone() for p in module.parameters()]
     out["step_first"] = _error(lambda: ft.step(0, x if rank == 0 else None, x))
     # nothing ran: the rejected step did not train unprotected
+    # the user's own loop before restore(): schedule.step and optimizer.step refuse too
+    out["loop_first"] = _error(lambda: schedule.step(x) if rank == 0 else schedule.step(target=x))
+    out["optimizer_first"] = _error(adamw.step)
     out["untouched"] = all(
         torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True)
     )
+    out["twice"] = _error(
+        lambda: baft.protect(
+            schedule=schedule,
+            stages=[stage],
+            optimizer=adamw,
+            run_dir=run,
+            checkpoint=ck,
+            ranks_per_node=1,
+        )
+    )
+    ft.close()  # the schedule and optimizer are the user's again
+    out["unwrapped"] = "step" not in vars(schedule) and not adamw._optimizer_step_pre_hooks
 
     # a budget only rank 0's store fits: both ranks must fail at plan time (after the
     # profiled iteration) with rank 1's error; rank 0 must not train on into a collective
-    tight = baft.CheckpointConfig(policy=baft.CheckpointPolicy(redundancy="none", persist_every=0), store_root=str(Path(root) / "shm"), profile_iters=1, budget_bytes=400_000, cost={"copy_Bps": 1e9})
+    tight = baft.CheckpointConfig(
+        policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
+        store_root=str(Path(root) / "shm"),
+        profile_iters=1,
+        budget_bytes=400_000,
+        cost={"copy_Bps": 1e9},
+    )
     ft2 = baft.protect(
         schedule=schedule,
         stages=[stage],
@@ -107,7 +130,8 @@ def test_protect_rejects_bad_input_on_every_rank(gloo, tmp_path: Path) -> None:
         ), rank
         assert out["optimizer"] == (
             "ValueError",
-            "baft checkpoints Adam/AdamW state; got SGD: use torch.optim.AdamW or Adam",
+            "baft checkpoints the state of SGD, Adam, AdamW, Adagrad, RMSprop (torch.optim, "
+            "per-tensor steps); got torch.optim.lbfgs.LBFGS",
         )
         assert out["step_first"] == (
             "RuntimeError",
@@ -115,7 +139,15 @@ def test_protect_rejects_bad_input_on_every_rank(gloo, tmp_path: Path) -> None:
             "stores and returns the iteration to resume from); without it nothing would be "
             "checkpointed",
         )
+        assert out["loop_first"] == out["step_first"]
+        assert out["optimizer_first"] == out["step_first"]
         assert out["untouched"] is True
+        assert out["twice"] == (
+            "ValueError",
+            "this optimizer is already protected by an earlier baft.protect(): call that "
+            "one's close() first",
+        )
+        assert out["unwrapped"] is True
         assert out["restore"] == 0
         assert out["restore_twice"] == (
             "RuntimeError",
