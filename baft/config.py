@@ -166,6 +166,12 @@ class CheckpointConfig:
     """How redundancy moves between ranks: "auto" (ranks whose stores share one host's
     memory read each other's committed bytes directly; the network transport only between
     hosts) or "network" (always the transport, e.g. to measure it)."""
+    flush_on_sigterm: bool = True
+    """On SIGTERM (preemption, the job being stopped) persist the newest state to
+    ``persist_dir`` as a DCP checkpoint at the next agreed commit, then exit; the next
+    launch resumes from it. Needs ``persist_dir``."""
+    flush_timeout_s: float = 20.0
+    """Longest a SIGTERM flush may take (torchrun kills workers 30 s after its SIGTERM)."""
     snapshot_copy: str = "auto"
     """How snapshot copies run: "auto" (an asynchronous side stream on CUDA; on the CPU
     synchronous copies in the bubbles, where the host also computes) or "thread" (a copy
@@ -189,6 +195,8 @@ class CheckpointConfig:
             raise ValueError(f"exchange must be auto or network, got {self.exchange!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.flush_timeout_s <= 0:
+            raise ValueError(f"flush_timeout_s={self.flush_timeout_s} must be > 0 seconds")
         if self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes={self.budget_bytes} must be > 0")
         if not isinstance(self.allow_fresh_start, bool):

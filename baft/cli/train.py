@@ -114,9 +114,17 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="checkpoint policy: every=N (interval), redundancy=none|replicate:k|xor:g|rs:k+m "
         "(across simulated nodes), persist=N (every N-th checkpoint to DCP on disk, 0=never), "
-        "keep=K, overflow=spill|stretch (default %(default)s)",
+        "keep=K, overflow=spill|stretch, full_every=auto|K (differential: a gradient record and "
+        "a slice of the state per iteration, every tensor fully at least every K) "
+        "(default %(default)s)",
     )
     g.add_argument("--no-checkpoint", action="store_true", help="train without checkpoints")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the job of --out (after a preemption or a stopped job: from its "
+        "memory stores or DCP checkpoints) instead of starting a new one",
+    )
     g.add_argument(
         "--inject",
         action="append",
@@ -205,7 +213,7 @@ def run_train(a: argparse.Namespace) -> int:
         f"schedule={cfg.parallel.schedule} on {cfg.parallel.world_size} ranks -> {cfg.out_dir}",
         flush=True,
     )
-    rc = launch(cfg)
+    rc = launch(cfg, resume=a.resume)
     if rc == 0:
         print(f"[baft] done: {cfg.out_dir}/summary.json", flush=True)
     return rc

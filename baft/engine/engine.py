@@ -50,6 +50,7 @@ from baft.engine.planning import (
     save_plan_input,
 )
 from baft.engine.redundancy import RedundancyExchange
+from baft.engine.termination import Termination
 from baft.engine.transport import Transport
 from baft.engine.versions import COMPONENTS, CommitVote, PersistSchedule, Version
 from baft.engine.worker import ProtectWorker
@@ -115,6 +116,8 @@ class EngineParts:
     persister: Persister | None
     injector: Any = None
     """A :class:`baft.faults.injector.FaultInjector`, or None."""
+    termination: Termination | None = None
+    """SIGTERM flag: flush to DCP and exit at the next agreed commit (None: off)."""
 
 
 class CheckpointEngine:
@@ -149,6 +152,7 @@ class CheckpointEngine:
         self.worker = parts.worker
         self.peers = parts.peers
         self.injector = parts.injector
+        self.termination = parts.termination
         self.redundancy = Redundancy.parse(self.policy.redundancy)
         coding_groups(self.topology, self.redundancy)  # validates the layout early
         self.votes = CommitVote(self.transport, self.store)
@@ -446,7 +450,8 @@ class CheckpointEngine:
             timeline.add(
                 "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
             )
-            self.votes.post(v.version, complete)
+            stopping = self.termination is not None and self.termination.requested
+            self.votes.post(v.version, complete, stopping)
             self.last_metrics = self._metrics(v)
             self._cur = None
         else:
@@ -469,6 +474,8 @@ class CheckpointEngine:
         if iteration == self.skip_version:  # restored from memory: already committed there
             return None
         self._resolve_commit()
+        if self.votes.stop_agreed:
+            self._flush_and_exit(iteration)
         if self.k == 1 and self.persists.reading_other_than(self.committed):
             self.persists.join()  # never overwrite a slot the persister still reads
         if not self.store.path.exists():  # store lost under a live rank: start it afresh
@@ -655,6 +662,32 @@ class CheckpointEngine:
                 out[persist_name(name)] = raw.view(t.dtype).view(t.shape)
         return out
 
+    def _flush_and_exit(self, iteration: int) -> None:
+        """Every rank agreed to stop (SIGTERM): persist the live state, which is version
+        ``iteration`` on every rank (the vote proves step ``iteration - 1`` is done
+        everywhere; small state was captured at this iteration's start), as a DCP
+        checkpoint within ``flush_timeout_s``, then leave the process with status 0."""
+        self._quiesce()
+        persister = self.persists.persister
+        if persister is not None:
+            c, num_dp = self.topology.coords(self.rank), self.topology.num_dp
+            state = {
+                persist_name(n): t
+                for i, (n, t) in enumerate(zip(self.flat.names, self.flat.tensors, strict=True))
+                if i % num_dp == c.dp
+            }
+            meta = {"version": iteration, "rank_meta": {}, "world_size": self.topology.world_size}
+            t0 = time.perf_counter()
+            try:
+                persister.save_async(iteration, state, meta).wait(self.ck.flush_timeout_s)
+                log.warning(
+                    "SIGTERM: v%d flushed to %s in %.2f s; exiting",
+                    iteration, self.ck.persist_dir, time.perf_counter() - t0,
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - exiting anyway; memory keeps the rest
+                log.error("SIGTERM: flushing v%d failed (%s); exiting", iteration, e)
+        raise SystemExit(0)
+
     def _quiesce(self) -> None:
         """Nothing may still read the store's mappings: they are about to be replaced
         (a resized file under a live mapping is a SIGBUS for its reader)."""
@@ -693,3 +726,5 @@ class CheckpointEngine:
         self._resolve_commit()
         self.persists.shutdown()
         self.store.close()
+        if self.termination is not None:
+            self.termination.uninstall()

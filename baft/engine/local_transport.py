@@ -104,14 +104,15 @@ class LocalTransport:
         self._meet()
         return out
 
-    def all_min_async(self, value: int) -> _Vote:
+    def all_min_async(self, values: list[int]) -> _Vote:
         """Every rank meets when it waits (ranks resolve votes in the same order)."""
-        return _Vote(self, value)
+        return _Vote(self, list(values))
 
 
 class _Vote:
-    def __init__(self, transport: LocalTransport, value: int) -> None:
-        self._transport, self._value = transport, value
+    def __init__(self, transport: LocalTransport, values: list[int]) -> None:
+        self._transport, self._values = transport, values
 
-    def wait(self) -> int:
-        return int(min(self._transport.all_gather_object(self._value)))
+    def wait(self) -> list[int]:
+        everyone = self._transport.all_gather_object(self._values)
+        return [int(min(col)) for col in zip(*everyone, strict=True)]

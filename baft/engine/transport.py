@@ -23,7 +23,7 @@ class Handle(Protocol):
 
 
 class VoteHandle(Protocol):
-    def wait(self) -> int: ...
+    def wait(self) -> list[int]: ...
 
 
 class Transport(Protocol):
@@ -36,8 +36,8 @@ class Transport(Protocol):
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle: ...
 
-    def all_min_async(self, value: int) -> VoteHandle:
-        """Start a MIN over every rank's ``value``; ``wait()`` returns it."""
+    def all_min_async(self, values: list[int]) -> VoteHandle:
+        """Start an elementwise MIN over every rank's ``values``; ``wait()`` returns it."""
         ...
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
@@ -71,9 +71,9 @@ class _MinVote:
     def __init__(self, work: Any, t: torch.Tensor) -> None:
         self.work, self.t = work, t
 
-    def wait(self) -> int:
+    def wait(self) -> list[int]:
         self.work.wait()
-        return int(self.t.item())
+        return [int(x) for x in self.t.tolist()]
 
 
 class GlooTransport:
@@ -95,8 +95,8 @@ class GlooTransport:
         assert work is not None
         return TimedWork(work, self.timeout_s, f"receive from rank {src}")
 
-    def all_min_async(self, value: int) -> VoteHandle:
-        t = torch.tensor([value], dtype=torch.int64)
+    def all_min_async(self, values: list[int]) -> VoteHandle:
+        t = torch.tensor(values, dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         assert work is not None
         return _MinVote(work, t)

@@ -63,11 +63,15 @@ class CommitVote:
         self.num_committed = 0
         """Versions committed since this process started."""
         self._pending: tuple[int, VoteHandle] | None = None
+        self.stop_agreed = False
+        """Some rank voted to stop (SIGTERM): every rank learns it from the same vote."""
 
-    def post(self, version: int, complete: bool) -> None:
-        """Start the agreement on ``version``; a rank that could not complete it votes -1."""
+    def post(self, version: int, complete: bool, stopping: bool = False) -> None:
+        """Start the agreement on ``version``; a rank that could not complete it votes -1,
+        a rank asked to stop (SIGTERM) says so in the same all-reduce."""
         assert self._pending is None, "one commit vote at a time"
-        self._pending = (version, self.transport.all_min_async(version if complete else -1))
+        vote = [version if complete else -1, 0 if stopping else 1]
+        self._pending = (version, self.transport.all_min_async(vote))
 
     def resolve(self) -> int | None:
         """Wait for the vote in flight, if any; returns the version it committed, or None."""
@@ -75,7 +79,9 @@ class CommitVote:
             return None
         version, handle = self._pending
         self._pending = None
-        if handle.wait() != version:
+        agreed, keep_going = handle.wait()
+        self.stop_agreed = self.stop_agreed or keep_going == 0
+        if agreed != version:
             return None
         self.store.commit(version)
         self.committed = version

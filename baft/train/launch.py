@@ -41,14 +41,24 @@ def launch_env() -> dict[str, str]:
     return env
 
 
-def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """Create a clean run directory (and store) and write the config the workers read.
+def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
+    """Create the run directory and write the config the workers read.
 
     A new launch is a new job: earlier outputs, snapshot stores and DCP checkpoints of the
-    same run directory are removed. Restarts inside the launch keep everything.
+    same run directory are removed, unless ``resume``: then the job goes on from what its
+    stores or DCP checkpoints hold (after a preemption, a stopped job, a replaced host).
+    Restarts inside the launch keep everything.
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ck = cfg.checkpoint
+    if resume:
+        if ck is not None:
+            ck.job_id = ck.job_id or default_job_id(cfg.out_dir)
+            ck.persist_dir = ck.persist_dir or str(out / "checkpoints")
+        path = out / "config.json"
+        path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        return path
     for name in (
         "metrics.jsonl",
         "summary.json",
@@ -60,7 +70,6 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "timeline", ignore_errors=True)
     shutil.rmtree(out / "progress", ignore_errors=True)
-    ck = cfg.checkpoint
     if ck is not None:
         ck.job_id = ck.job_id or default_job_id(cfg.out_dir)
         ck.persist_dir = ck.persist_dir or str(out / "checkpoints")
@@ -71,10 +80,13 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return path
 
 
-def launch(cfg: TrainConfig, *, max_restarts: int | None = None, quiet: bool = False) -> int:
-    """Run the job to completion; returns torchrun's exit code."""
+def launch(
+    cfg: TrainConfig, *, max_restarts: int | None = None, quiet: bool = False, resume: bool = False
+) -> int:
+    """Run the job to completion; returns torchrun's exit code. ``resume``: continue the
+    run directory's job instead of starting a new one."""
     cfg.validate()
-    cfg_path = prepare_run_dir(cfg)
+    cfg_path = prepare_run_dir(cfg, resume=resume)
     if max_restarts is None:
         max_restarts = cfg.checkpoint.max_restarts if cfg.checkpoint else 0
     cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts)

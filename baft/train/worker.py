@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import sys
 import time
@@ -120,11 +121,26 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _show_baft_log() -> None:
+    """The reference app shows baft's log (plan, recoveries, injections, warnings) on
+    stderr, one line each (rank 0 everything from INFO on, other ranks warnings and
+    errors); the library itself only logs (a user's script decides)."""
+    log = logging.getLogger("baft")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        rank = os.environ.get("RANK", "?")
+        handler.setFormatter(logging.Formatter(f"[baft rank {rank}] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO if rank == "0" else logging.WARNING)
+        log.propagate = False
+
+
 def process_main(body: Callable[[], object]) -> int:
     """One rank's process under torchrun (training and benchmark workers): tracebacks on
     a fault (and after ``$BAFT_HANG_DUMP_S`` seconds, for hangs), ``body()``, then leave
     through a barrier and tear the process group down."""
     faulthandler.enable()
+    _show_baft_log()
     if os.environ.get("BAFT_HANG_DUMP_S"):
         faulthandler.dump_traceback_later(float(os.environ["BAFT_HANG_DUMP_S"]), exit=True)
     try:

@@ -137,6 +137,46 @@ def test_differential_kill_and_node_loss_recover_bit_exactly(
     assert "differential" in node["reason"]
 
 
+def test_sigterm_flushes_to_dcp_and_the_next_launch_resumes(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """Preemption: torchrun gets SIGTERM mid-run and stops its workers; they agree on the
+    next commit vote, persist the live state as a DCP checkpoint and exit. The host memory
+    is then gone (stores wiped); ``--resume`` launches the same job again, which restores
+    the flushed checkpoint and ends bit-identical, having lost no iteration."""
+    import signal
+    import subprocess
+    import time
+
+    from baft.train.launch import launch_env, prepare_run_dir, torchrun_command
+
+    # iterations slowed from 4 on so that the signal lands mid-run on a loaded machine
+    cfg = _config(tmp_path / "term", store, ["slow:rank=0,iter=4,s=0.3,iters=8"], persist_every=0)
+    cfg.validate()
+    cmd = torchrun_command(prepare_run_dir(cfg), cfg.parallel.world_size, 0)
+    agent = subprocess.Popen(cmd, env=launch_env(), stdout=subprocess.DEVNULL)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and agent.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    agent.send_signal(signal.SIGTERM)
+    agent.wait(timeout=120)
+    done = len(metrics.read_text().splitlines())
+    assert 5 <= done < 12, done  # stopped mid-run
+    assert cfg.checkpoint is not None
+    latest = (Path(cfg.checkpoint.persist_dir) / "latest").read_text().strip()
+    assert int(latest) == done  # the state after the last finished step
+    shutil.rmtree(Path(cfg.checkpoint.store_root) / cfg.checkpoint.job_id)  # hosts gone
+    cfg.checkpoint.inject = []
+    resumed = run_job(cfg, resume=True)
+    assert_same_training(resumed, reference, 12)
+    (rec,) = resumed["summary"]["recoveries"]
+    assert rec["source"] == "disk" and rec["restored_version"] == done
+    assert rec["lost_iterations"] == 0
+
+
 def test_corrupted_shard_then_kill_rebuilds_it_from_parity(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:

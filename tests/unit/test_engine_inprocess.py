@@ -182,3 +182,34 @@ def test_a_peer_failing_mid_exchange_fails_the_version(tmp_path: Path) -> None:
     for e in engines:
         e.worker.shutdown()
         e.store.close()
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path: Path) -> None:
+    """The stop request rides on the commit vote: rank 1 alone saw SIGTERM during
+    iteration 1, and both ranks leave at the start of iteration 2 (after the vote), no
+    rank trains on alone."""
+    from baft.engine.termination import Termination
+
+    engines, states, _ = _engines(tmp_path, "replicate:1")
+    flags = [Termination() for _ in engines]  # not installed: the test raises the flag
+    for e, f in zip(engines, flags, strict=True):
+        e.termination = f
+    _on_ranks(lambda r: engines[r].start(0))
+    _on_ranks(lambda r: _iteration(engines[r], states[r], 0))
+    flags[1].requested = True
+    _on_ranks(lambda r: _iteration(engines[r], states[r], 1))
+    stopped_at: list[int | None] = [None] * WORLD
+
+    def run(r: int) -> None:
+        try:
+            _iteration(engines[r], states[r], 2)
+        except SystemExit as e:
+            assert e.code == 0
+            stopped_at[r] = 2
+
+    _on_ranks(run)
+    assert stopped_at == [2, 2]
+    assert all(e.committed == 1 for e in engines)  # v1 committed by the same vote
+    for e in engines:
+        e.worker.shutdown()
+        e.store.close()

@@ -1,0 +1,53 @@
+"""Torn down for good: SIGTERM turns into an agreed, flushed, clean exit.
+
+A scheduler's preemption (or ``torchrun`` being stopped) sends SIGTERM to every worker.
+Instead of dying with the newest state only in host memory that is about to go away, the
+handler just raises a flag; the engine votes it with the next commit (the same tiny MIN
+all-reduce, no extra collective), and once every rank has seen the vote, every rank
+persists the live state (the version the next iteration starts from, complete on every
+rank) as a plain DCP checkpoint within ``flush_timeout_s`` and exits with status 0. The
+next launch of the same run resumes from that checkpoint (DESIGN.md §3; DLRover calls
+it "persist at breakpoint").
+
+A SIGTERM that a crashed peer triggers (torchrun stopping the rest of the group before a
+restart) cannot be flushed collectively: the dead rank never votes, the vote times out
+and the process ends as before; its memory stores keep the newest version for the restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("baft")
+
+
+class Termination:
+    """A SIGTERM flag (installed only from the main thread; a no-op elsewhere)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> Termination:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.requested:
+            log.warning(
+                "SIGTERM: flushing the newest state to DCP at the next commit, then exiting"
+            )
+        self.requested = True
+
+    def uninstall(self) -> None:
+        if self._installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            self._installed = False
