@@ -9,7 +9,9 @@
 3. The unchanged setup restores the newest committed version: parameters, buffers,
    optimizer state, hyperparameters, scheduler, sampler and RNG equal what they were at
    the top of that iteration.
-4. With DP replicas the step refuses un-averaged gradients and says what to do;
+4. With differential checkpoints (``full_every=2``) the restore replays a recorded step
+   (hooks standing aside) and lands on the same bytes.
+5. With DP replicas the step refuses un-averaged gradients and says what to do;
    ``ft.average_gradients()`` makes the replicas step identically.
 """
 
@@ -95,11 +97,15 @@ def _setup(
     }
 
 
-def _protect(s: dict[str, Any], root: str, state: dict[str, Any] | None = None) -> Any:
+def _protect(
+    s: dict[str, Any], root: str, state: dict[str, Any] | None = None, full_every: int = 1
+) -> Any:
     import baft
 
     ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(redundancy="replicate:1", persist_every=0),
+        policy=baft.CheckpointPolicy(
+            redundancy="replicate:1", persist_every=0, full_every=full_every
+        ),
         store_root=str(Path(root) / "shm"),
         job_id="restore-test",
         profile_iters=1,
@@ -178,6 +184,28 @@ def _restore_job(rank: int, world: int, root: str) -> dict[str, Any]:
     _iteration(s5, rank)  # and it trains on from there
     out["iteration_after"] = ft5.iteration
     ft5.close()
+
+    # differential checkpoints (full_every=2): the restore replays a recorded optimizer
+    # step (with the scheduler's lr of that step) while the loop's hooks stand aside
+    diff_root = str(Path(root) / "diff")
+    s6 = _setup(rank, world)
+    ft6 = _protect(s6, diff_root, full_every=2)
+    ft6.restore()
+    versions = {}
+    for it in range(5):
+        versions[it] = _digest(s6["module"], s6["opt"], s6["sched"], s6["sampler"])
+        _iteration(s6, rank)
+    out["diff_k"] = ft6.engine.k
+    ft6.close()
+    s7 = _setup(rank, world)
+    ft7 = _protect(s7, diff_root, full_every=2)
+    start = ft7.restore()
+    out["diff_restored"] = start
+    out["diff_replayed"] = ft7._report.record.get("replay", {})
+    out["diff_equal"] = (
+        _digest(s7["module"], s7["opt"], s7["sched"], s7["sampler"]) == versions[start]
+    )
+    ft7.close()
     return out
 
 
@@ -205,6 +233,10 @@ def test_restore_in_the_users_loop(gloo, tmp_path: Path) -> None:
         assert out["restored"] == 3, out  # version 3 committed at close()
         assert out["restored_equal"] is True
         assert out["iteration_after"] == 4
+        assert out["diff_k"] == 2, out
+        assert out["diff_restored"] >= 3, out
+        assert out["diff_equal"] is True, out
+        assert out["diff_replayed"]["replayed_steps"] == 1, out
 
 
 def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
