@@ -157,6 +157,7 @@ class Protected:
         self.runner.paused = False
         # Version ``resume`` is the state now, at the top of the loop (after a restore:
         # the restored state itself; on a fresh job: whatever the script set up).
+        self.runner.state.check_live()  # e.g. optimizer.load_state_dict after protect()
         self.runner.state.capture()
         return resume
 

@@ -333,13 +333,21 @@ class StepRunner:
 
     # ---------------------------------------------------------------- state
     def named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The parameters (``model.<fqn>``) and optimizer state (``optim.<fqn>.<key>``) of
-        this rank, canonical order, DTensors as their local shard (the state exists from
-        the start: :class:`TrainingState` creates it as the first step would). The whole
-        checkpointed list, buffers and small state included, is ``self.state.tensors()``."""
-        for name, t in self.state.tensors():
-            if name.startswith(("model.", "optim.")):
-                yield name, t
+        """The live parameters (``model.<fqn>``) and optimizer state (``optim.<fqn>.<key>``)
+        of this rank, canonical order, DTensors as their local shard. Read from the live
+        objects (a benchmark's peer library may replace optimizer state tensors); what
+        baft checkpoints, buffers and small state included, is ``self.state.tensors()``."""
+        names = {}
+        for m in self.modules:
+            for fqn, p in m.named_parameters():
+                names[id(p)] = fqn
+                yield f"model.{fqn}", local(p.data)
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    yield f"optim.{names[id(p)]}.{key}", local(value)
 
     def state_digests(self) -> dict[str, str]:
         """sha256 of this rank's parameters, buffers and optimizer state, per tensor.
