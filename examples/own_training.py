@@ -3,8 +3,11 @@
 Run (2 pipeline ranks on CPU; add --inject to see a crash and an in-memory recovery):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
-        --max-restarts 2 examples/own_training.py --out runs/example \\
-        --inject kill:rank=1,iter=5,at=snapshot
+        --max-restarts 2 --log-dir runs/example/logs --redirects 3 \\
+        examples/own_training.py --out runs/example --inject kill:rank=1,iter=5,at=snapshot
+
+(``--log-dir``/``--redirects 3``: each worker's output goes to a file under
+``runs/example/logs/``, so the survivors' stack traces after a kill stay off the console.)
 
 Everything not marked ``# baft`` is an ordinary pipelining loop: BatchNorm (buffers),
 dropout (the RNG), SGD with momentum, an LR scheduler with warmup, gradient clipping and
@@ -150,7 +153,7 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         if mb_losses:
-            losses[it] = float(torch.stack(mb_losses).mean())
+            losses[it] = float(torch.stack(mb_losses).detach().mean())
     if ft is not None:
         ft.close()  # baft
     batch_log.close()

@@ -271,6 +271,18 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     opt.step()
     out["weight"] = module.weight.detach().numpy().tobytes()
     ft.close()
+    # average_gradients=True: averaged in the step pre-hook, the loop unchanged
+    ft = baft.protect(
+        schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp"),
+        device_mesh=mesh, ranks_per_node=1, checkpointing=False, average_gradients=True,
+    )  # fmt: skip
+    ft.restore()
+    opt.zero_grad()
+    schedule.step(x, target=y)
+    opt.step()
+    out["auto_weight"] = module.weight.detach().numpy().tobytes()
+    out["auto_moved"] = out["auto_weight"] != out["weight"]
+    ft.close()
     return out
 
 
@@ -285,3 +297,5 @@ def test_dp_replicas_must_average_gradients(gloo, tmp_path: Path) -> None:
         )
         assert out["untouched"] is True
     assert got[0]["weight"] == got[1]["weight"]  # averaged: the replicas stay identical
+    assert got[0]["auto_moved"] is True
+    assert got[0]["auto_weight"] == got[1]["auto_weight"]
