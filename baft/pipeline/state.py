@@ -59,6 +59,8 @@ SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 DEFAULT_EXTRA_CAPACITY = 64 * 1024
 """Bytes reserved for each registered state object's encoded ``state_dict()``."""
 META = "meta"
+META_PREFIX = "extra.meta."
+"""The optimizer record is ``extra.meta.<optimizer class>``."""
 """Capacity key of the blob holding the optimizer's class and param-group hyperparameters."""
 FORMAT = 1
 _HEADER = struct.Struct("<4sI")  # magic, payload length
@@ -418,7 +420,7 @@ def _write_blob(t: torch.Tensor, payload: bytes, what: str, setting: str) -> int
 
 def decode_record(t: torch.Tensor, device: torch.device | None = None) -> Any:
     """The value held by one ``extra.*`` record tensor (e.g. loaded from a persisted
-    checkpoint with plain DCP): ``extra.meta`` gives the optimizer's class and param-group
+    checkpoint with plain DCP): ``extra.meta.<optimizer class>`` gives the optimizer's class and param-group
     hyperparameters, ``extra.state.<key>`` ``{"class": ..., "state": state_dict}``."""
     return decode_blob(_read_blob(t, "record"), device)
 
@@ -502,7 +504,10 @@ class TrainingState:
         self._collect_optimizer()
         self._blobs: dict[str, torch.Tensor] = {}
         self._blob_len: dict[str, int] = {}
-        self._add_blob("extra.meta", self._cap(META, 4096 + 2048 * len(optimizer.param_groups)))
+        # The optimizer's class is in the record's name: the layout alone (checked before
+        # a restore writes any byte) tells Adam from AdamW, whose tensors are the same.
+        self.meta_name = f"{META_PREFIX}{type(optimizer).__name__}"
+        self._add_blob(self.meta_name, self._cap(META, 4096 + 2048 * len(optimizer.param_groups)))
         for key in sorted(self.stateful):
             self._add_blob(f"extra.state.{key}", self._cap(key, 0))
         self._created = torch.zeros(len(self._deferred), dtype=torch.uint8)
@@ -637,6 +642,13 @@ class TrainingState:
         new = {i.name: i.nbytes for i in self.layout()}
         missing = sorted(set(old) - set(new))
         extra = sorted(set(new) - set(old))
+        was = [n[len(META_PREFIX) :] for n in missing if n.startswith(META_PREFIX)]
+        now = [n[len(META_PREFIX) :] for n in extra if n.startswith(META_PREFIX)]
+        head = []
+        if was and now:
+            head = [f"the state was saved with optimizer {was[0]}, this run uses {now[0]}"]
+            missing = [n for n in missing if not n.startswith(META_PREFIX)]
+            extra = [n for n in extra if not n.startswith(META_PREFIX)]
         resized = sorted(
             f"{n} ({old[n]} -> {new[n]} bytes)" for n in set(old) & set(new) if old[n] != new[n]
         )
@@ -651,8 +663,10 @@ class TrainingState:
                 if v
             ]
             raise ValueError(
-                "the model/optimizer state differs from the saved one; " + "; ".join(parts)
+                "; ".join([*head, "the model/optimizer state differs from the saved one", *parts])
             )
+        if head:
+            raise ValueError(head[0])
         if list(old) != list(new):
             raise ValueError(
                 "the saved tensors are in a different order (stage modules reordered?)"
@@ -707,7 +721,7 @@ class TrainingState:
                 ],
             }
             self._write(
-                "extra.meta",
+                self.meta_name,
                 encode_blob(meta, "optimizer param groups"),
                 "optimizer hyperparameters",
                 META,
@@ -807,7 +821,9 @@ class TrainingState:
             raise ValueError(f"restored small state is malformed: {e!r}") from e
 
     def _decode_checked(self, read: Callable[[str], torch.Tensor]) -> _Restored:
-        meta = decode_blob(_read_blob(read("extra.meta"), "optimizer hyperparameters"), self.device)
+        meta = decode_blob(
+            _read_blob(read(self.meta_name), "optimizer hyperparameters"), self.device
+        )
         if type(meta) is not dict or meta.get("format") != FORMAT:
             raise ValueError("restored optimizer record has an unknown format")
         saved_keys, keys = list(meta["state_keys"]), sorted(self.stateful)

@@ -276,7 +276,8 @@ def test_layout_is_fixed_from_iteration_zero(opt: str) -> None:
         + ["buffer.scale", "buffer.bn.running_mean", "buffer.bn.running_var"]
         + ["buffer.bn.num_batches_tracked"]
         + [f"optim.{f}.{k}" for f in params for k in STATE_KEYS[opt]]
-        + ["extra.meta", "extra.state.counter", "extra.state.lr_scheduler", "extra.state.sampler"]
+        + [f"extra.meta.{type(r.opt).__name__}"]
+        + ["extra.state.counter", "extra.state.lr_scheduler", "extra.state.sampler"]
         + (["extra.optim.created"] if opt.startswith("sgd_") else [])
         + ["extra.rng.cpu"]
     )
@@ -483,8 +484,13 @@ def test_different_optimizer_class_is_named() -> None:
     assert a.ts is not None and b.ts is not None
     a.train(1)
     a.ts.capture()
-    b.ts.check_layout(a.ts.layout())  # same tensors: only the meta record can tell
-    copy_bytes(a.ts, b.ts)
+    # same tensors: the layout check (before any byte is written) names the optimizers
+    with pytest.raises(ValueError) as err:
+        b.ts.check_layout(a.ts.layout())
+    assert str(err.value) == "the state was saved with optimizer Adam, this run uses AdamW"
+    # and the meta record itself, should the bytes be written anyway
+    for (_, t), (_, u) in zip(a.ts.tensors(), b.ts.tensors(), strict=True):
+        byte_view(u).copy_(byte_view(t))
     before = small_state(b)
     with pytest.raises(
         ValueError, match=r"optimizer torch\.optim\.adam\.Adam, this run uses .*AdamW"
@@ -549,7 +555,7 @@ def test_failing_load_rolls_back_the_others() -> None:
 def test_malformed_or_foreign_records_are_value_errors() -> None:
     r = Run("adam")
     assert r.ts is not None
-    meta = dict(r.ts.tensors())["extra.meta"]
+    meta = dict(r.ts.tensors())["extra.meta.Adam"]
     assert decode_record(meta)["optimizer"] == "torch.optim.adam.Adam"
     before = small_state(r)
     payload = b'{"d":[["format",1]]}'  # a valid record without the fields
@@ -579,7 +585,7 @@ def test_capacity_exceeded_names_object_and_setting() -> None:
     small = Counter()
     ts = TrainingState([model], opt, {"c": small}, extra_capacity_bytes=256)
     assert dict(ts.tensors())["extra.state.c"].numel() == 256
-    assert dict(ts.tensors())["extra.meta"].numel() == 4096 + 2048  # floor: one param group
+    assert dict(ts.tensors())["extra.meta.Adam"].numel() == 4096 + 2048  # floor: one param group
     small.n = 10**600  # grows later: the layout stays, capture says what to raise
     with pytest.raises(ValueError, match=r"state\['c'\].*extra_capacity_bytes"):
         ts.capture()
@@ -744,4 +750,4 @@ def test_digests_cover_buffers_and_small_state() -> None:
     a.sched.step()
     a.ts.capture()
     changed = {n for n in da if a.ts.digests()[n] != da[n]}
-    assert changed == {"buffer.bn.running_mean", "extra.meta", "extra.state.lr_scheduler"}
+    assert changed == {"buffer.bn.running_mean", "extra.meta.Adam", "extra.state.lr_scheduler"}
