@@ -11,7 +11,14 @@ How: every schedule in torch 2.13 (GPipe and 1F1B's hard-coded loops and the
 ``_PipelineScheduleRuntime`` ones) waits through the module-level
 ``schedules._wait_batch_p2p``; we swap that function for the duration of ``step`` and wrap
 the stage's ``*_one_chunk`` methods on our own stage objects. With no handler work the
-arithmetic is untouched, so hooks on and off give bit-identical results.
+arithmetic is untouched, so hooks on and off give bit-identical results. The stage's
+``_forward_metadata_inference`` (torch's shape inference on a process's first step) is
+wrapped too: in a process resumed from a checkpoint its side effects on the RNG and the
+stage's buffers are undone (see :meth:`ProtectedSchedule._isolated`).
+
+:class:`~baft.pipeline.step.StepRunner` calls :meth:`ProtectedSchedule.call` from the
+wrapper it puts on the user's schedule object, so the user's own ``schedule.step(...)``
+runs here; :attr:`ProtectedSchedule.raw_step` is the schedule's own method.
 """
 
 from __future__ import annotations
