@@ -246,7 +246,9 @@ def protect(
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
     ck.job_id = ck.job_id or default_job_id(run_dir)
     ck.persist_dir = ck.persist_dir or str(Path(run_dir) / "checkpoints")
-    ck.validate(mesh.topology)
+    enabled = checkpointing and instrument
+    if enabled:  # a baseline without checkpoints has no policy to check
+        ck.validate(mesh.topology)
     runner = StepRunner(
         mesh=mesh,
         modules=[s.submod for s in stages],
@@ -261,5 +263,4 @@ def protect(
         average_gradients=average_gradients,
     )
     watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
-    enabled = checkpointing and instrument
     return Protected(runner, mesh, run_dir, ck if enabled else None, watchdog, engine_cls)
