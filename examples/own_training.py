@@ -4,7 +4,7 @@ Run (2 pipeline ranks on CPU; add --inject to see a crash and an in-memory recov
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 2 --log-dir runs/example/logs --redirects 3 \\
-        examples/own_training.py --out runs/example --inject kill:rank=1,iter=5,at=snapshot
+        examples/own_training.py --out runs/example --inject kill:rank=1,iter=5,at=transfer
 
 (``--log-dir``/``--redirects 3``: each worker's output goes to a file under
 ``runs/example/logs/``, so the survivors' stack traces after a kill stay off the console.)
