@@ -12,7 +12,8 @@
    the top of that iteration.
 4. With differential checkpoints (``full_every=2``) the restore replays a recorded step
    (hooks standing aside) and lands on the same bytes.
-5. With DP replicas the step refuses un-averaged gradients and says what to do;
+5. ``ft.step`` and the plain loop are one trajectory (same bytes, same losses).
+6. With DP replicas the step refuses un-averaged gradients and says what to do;
    ``ft.average_gradients()`` makes the replicas step identically.
 """
 
@@ -302,3 +303,39 @@ def test_dp_replicas_must_average_gradients(gloo, tmp_path: Path) -> None:
     assert got[0]["weight"] == got[1]["weight"]  # averaged: the replicas stay identical
     assert got[0]["auto_moved"] is True
     assert got[0]["auto_weight"] == got[1]["auto_weight"]
+
+
+def _shorthand_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The same 3 iterations through ``ft.step`` and through the plain loop."""
+    out: dict[str, Any] = {}
+    for how in ("shorthand", "loop"):
+        s = _setup(rank, world)
+        ft = _protect(s, str(Path(root) / how), state={"sampler": s["sampler"]})
+        ft.restore()
+        losses = []
+        for it in range(3):
+            g = torch.Generator().manual_seed(s["sampler"].next_batch())
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+            if how == "shorthand":
+                losses.append(ft.step(it, x if rank == 0 else None, y if rank == 1 else None))
+            else:
+                s["opt"].zero_grad()
+                if rank == 0:
+                    s["schedule"].step(x)
+                else:
+                    s["schedule"].step(target=y)
+                s["opt"].step()
+                losses.append(ft.last_step.loss)
+        out[how] = (_digest(s["module"], s["opt"], s["sched"], s["sampler"]), losses, ft.iteration)
+        out[f"{how}_committed"] = ft.metrics["committed_version"]
+        ft.close()
+    return out
+
+
+def test_shorthand_and_loop_have_one_trajectory(gloo, tmp_path: Path) -> None:
+    got = gloo.run(_shorthand_job, 2, args=(str(tmp_path),), timeout_s=120)
+    for rank, out in enumerate(got):
+        assert out["shorthand"] == out["loop"], rank
+        assert out["loop"][2] == 3
+        assert out["loop_committed"] == out["shorthand_committed"] == 1  # checkpoints ran
+    assert got[1]["loop"][1][0] is not None and got[0]["loop"][1][0] is None  # last stage
