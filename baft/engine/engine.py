@@ -179,6 +179,8 @@ class CheckpointEngine:
         self._k_reason = "full_every=1"
         self._persist_copy: tuple[int, dict[str, torch.Tensor]] | None = None
         self._persist_buf: torch.Tensor | None = None
+        self._sizes = (0, 0, 2)
+        """Store allocation of the plan: shard bytes, redundancy bytes, slots."""
         self.plan_iteration = ck.profile_iters
         self.last_metrics: dict[str, Any] = {}
         self._profile: list[dict[str, Any]] = []
@@ -307,9 +309,12 @@ class CheckpointEngine:
         self.schedule = SnapshotSchedule.of(plan, self.rank, self.source)
         shard_sizes = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
         self.group_layout = group_layouts(self.topology, self.redundancy, shard_sizes)[self.rank]
-        self._allocate_everywhere(
-            self.schedule.nbytes, self.group_layout.redundancy_nbytes(self.rank), max(2, k + 1)
+        self._sizes = (
+            self.schedule.nbytes,
+            self.group_layout.redundancy_nbytes(self.rank),
+            max(2, k + 1),
         )
+        self._allocate_everywhere(*self._sizes)
         self.exchange = RedundancyExchange(
             self.group_layout if self.redundancy.kind != "none" else None,
             self.rank,
@@ -319,6 +324,9 @@ class CheckpointEngine:
             timeout_s=self.ck.timeout_s,
         )
         self.plan_iteration = -1
+        if self.termination is not None:  # a SIGTERM flush comes within ~2 iterations
+            slowest = max(b.iteration_s for b in bubbles.values())
+            self.termination.grace_s = min(self.ck.flush_timeout_s, 1.0 + 2.0 * slowest)
         paths = self.exchange.paths()
         via = (
             f"redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
@@ -480,13 +488,16 @@ class CheckpointEngine:
             self.persists.join()  # never overwrite a slot the persister still reads
         if not self.store.path.exists():  # store lost under a live rank: start it afresh
             self._quiesce()
-            n = self.store.num_slots
-            self._allocate(self.store.data_view(0).size, self.store.red_view(0).size, n)
-            self.first_version = None
+            self._allocate(self._sizes[0], self._sizes[1], self._sizes[2])
+            # the rotation goes on (every rank numbers it alike): this rank's payloads of
+            # the versions before are gone, so those are not rebuildable (never wrong)
         if self.first_version is None:
             self.first_version = iteration
-        keep = range(max(self.first_version, iteration - self.k), iteration)
-        slot = self.store.begin(iteration, keep=keep if self.k > 1 else ())
+        # differential: keep the payloads that rebuild the newest version written, also
+        # when its vote failed (a rank lost its store: parity may still rebuild it); the
+        # store lets this window win over an older commit record
+        keep = range(max(self.first_version, iteration - self.k), iteration) if self.k > 1 else ()
+        slot = self.store.begin(iteration, keep=keep)
         data = torch.from_numpy(self.store.data_view(slot))
         red = torch.from_numpy(self.store.red_view(slot))
         self._cur = Version(iteration, slot, data, red)
@@ -667,6 +678,8 @@ class CheckpointEngine:
         ``iteration`` on every rank (the vote proves step ``iteration - 1`` is done
         everywhere; small state was captured at this iteration's start), as a DCP
         checkpoint within ``flush_timeout_s``, then leave the process with status 0."""
+        if self.termination is not None:
+            self.termination.flushing()
         self._quiesce()
         persister = self.persists.persister
         if persister is not None:

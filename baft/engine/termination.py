@@ -10,13 +10,16 @@ next launch of the same run resumes from that checkpoint (DESIGN.md §3; DLRover
 it "persist at breakpoint").
 
 A SIGTERM that a crashed peer triggers (torchrun stopping the rest of the group before a
-restart) cannot be flushed collectively: the dead rank never votes, the vote times out
-and the process ends as before; its memory stores keep the newest version for the restart.
+restart) cannot be flushed collectively: the dead rank never votes. So the flag has a
+grace period (about two iterations, see ``grace_s``): when no agreed flush has begun by
+then, the process dies of the SIGTERM as it would have without baft, and the restart is
+not held up; its memory stores keep the newest version for the restart.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -28,10 +31,13 @@ log = logging.getLogger("baft")
 class Termination:
     """A SIGTERM flag (installed only from the main thread; a no-op elsewhere)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = 2.0) -> None:
         self.requested = False
+        self.grace_s = grace_s
+        """Seconds from SIGTERM to an agreed flush before dying of the signal anyway."""
         self._previous: Any = None
         self._installed = False
+        self._timer: threading.Timer | None = None
 
     def install(self) -> Termination:
         if threading.current_thread() is not threading.main_thread():
@@ -41,13 +47,33 @@ class Termination:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self.requested:
-            log.warning(
-                "SIGTERM: flushing the newest state to DCP at the next commit, then exiting"
-            )
+        if self.requested:
+            return
         self.requested = True
+        log.warning(
+            "SIGTERM: flushing the newest state to DCP at the next agreed commit (within "
+            "%.1f s), then exiting",
+            self.grace_s,
+        )
+        self._timer = threading.Timer(self.grace_s, self._die)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def flushing(self) -> None:
+        """Every rank agreed: the flush is on (bounded by its own timeout), keep living."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _die(self) -> None:
+        log.warning(
+            "SIGTERM: no agreed flush within %.1f s (a peer is gone?): exiting", self.grace_s
+        )
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def uninstall(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             self._installed = False

@@ -281,7 +281,11 @@ def _window_plans(
             if (meta.get(u) or {}).get("k") != k or (meta.get(u) or {}).get(
                 "first_version"
             ) != first:
-                why.append(f"v={v}: payload v{u} is not of the same rotation")
+                why.append(
+                    f"v={v}: payload v{u} is not of the same rotation "
+                    f"(k={(meta.get(u) or {}).get('k')}, first_version="
+                    f"{(meta.get(u) or {}).get('first_version')}; v{v}: k={k}, first_version={first})"
+                )
                 break
             p, reason = coordinate_located(topology, redundancy, _only(located, u), located.hosts)
             if p.source != "memory" or p.version != u:

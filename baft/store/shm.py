@@ -397,8 +397,9 @@ class SnapshotStore:
     # ---------------------------------------------------------- version protocol
     def begin(self, version: int, keep: Collection[int] = ()) -> int:
         """Slot to write ``version`` into, marked ``writing``: never the committed one nor
-        one holding a complete version in ``keep`` (a differential rotation's window);
-        the oldest otherwise."""
+        one holding a complete version in ``keep`` (a differential rotation's window; when
+        not both can be kept, ``keep`` wins over a stale commit record); the oldest
+        otherwise."""
         records = [_try(self._read_slot, s) for s in range(self.num_slots)]
         committed = _try(self.committed_version)
         protected = {committed, *keep}
@@ -407,11 +408,30 @@ class SnapshotStore:
             for s, rec in enumerate(records)
             if not (rec and rec.get("state") == "complete" and rec.get("version") in protected)
         ]
+        if not candidates and keep:  # the caller's window wins over a stale commit record
+            candidates = [
+                s
+                for s, rec in enumerate(records)
+                if not (rec and rec.get("state") == "complete" and rec.get("version") in keep)
+            ]
         if not candidates:
             raise AssertionError(
-                f"every slot holds a version to keep: {sorted(protected, key=str)}"
+                f"rank {self.rank}: every one of its {len(records)} slots holds a version "
+                f"to keep ({[_version_of(r) for r in records]}; keep {sorted(protected, key=str)})"
             )
-        slot = min(candidates, key=lambda s: (records[s] is not None, _version_of(records[s]), s))
+        # an older copy of this very version (written before a restart) is the first to go
+        slot = min(
+            candidates,
+            key=lambda s: (
+                _version_of(records[s]) != version,
+                records[s] is not None,
+                _version_of(records[s]),
+                s,
+            ),
+        )
+        for other, rec in enumerate(records):  # never two copies of one version
+            if other != slot and rec and rec.get("version") == version:
+                self._manifest_file(other).unlink(missing_ok=True)
         self._write_json(
             self._manifest_file(slot),
             {"format": FORMAT, "state": "writing", "version": version, "rank": self.rank},
