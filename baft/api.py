@@ -36,6 +36,7 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,6 +53,8 @@ from baft.pipeline.mesh import Mesh, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
 from baft.pipeline.step import StepResult, StepRunner
 from baft.topology import Topology
+
+log = logging.getLogger("baft")
 
 
 def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:
@@ -159,7 +162,26 @@ class Protected:
         # the restored state itself; on a fresh job: whatever the script set up).
         self.runner.state.check_live()  # e.g. optimizer.load_state_dict after protect()
         self.runner.state.capture()
+        if self.checkpoint is not None and self.mesh.topology.num_dp > 1:
+            self._check_replicas_share_small_state()
         return resume
+
+    def _check_replicas_share_small_state(self) -> None:
+        """Warn when DP replicas of a stage hold different small state (RNG, ``state=``
+        objects): the replicas share one copy of it in a checkpoint (each holds a share
+        of the stage's bytes), so a restore would give all of them the same one.
+        Collective over the dp group, once."""
+        mine = {n: d for n, d in self.runner.state.digests().items() if n.startswith("extra.")}
+        gathered: list[Any] = [None] * dist.get_world_size(self.mesh.dp_group)
+        dist.all_gather_object(gathered, mine, group=self.mesh.dp_group)
+        differ = sorted({n for g in gathered for n in mine if g.get(n) != mine[n]})
+        if differ:
+            log.warning(
+                "DP replicas of pp%d.tp%d hold different %s: a checkpoint keeps one copy "
+                "per stage, so after a restore every replica continues with the same one; "
+                "seed the RNG and build the state= objects identically on every DP replica",
+                self.mesh.coords.pp, self.mesh.coords.tp, ", ".join(differ),
+            )  # fmt: skip
 
     def step(
         self, iteration: int, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None

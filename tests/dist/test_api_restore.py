@@ -287,6 +287,27 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     out["auto_weight"] = module.weight.detach().numpy().tobytes()
     out["auto_moved"] = out["auto_weight"] != out["weight"]
     ft.close()
+    # checkpoints on, RNG seeded per replica: restore() says the replicas differ
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("baft").addHandler(handler)
+    ck = baft.CheckpointConfig(
+        policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
+        store_root=str(Path(root) / "shm"),
+        job_id="dp-test",
+    )
+    ft = baft.protect(
+        schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp"),
+        device_mesh=mesh, ranks_per_node=1, checkpoint=ck, average_gradients=True,
+    )  # fmt: skip
+    torch.manual_seed(100 + rank)
+    ft.restore()
+    ft.close()
+    logging.getLogger("baft").removeHandler(handler)
+    out["warnings"] = [m for m in records if m.startswith("DP replicas")]
     return out
 
 
@@ -302,6 +323,9 @@ def test_dp_replicas_must_average_gradients(gloo, tmp_path: Path) -> None:
         assert out["untouched"] is True
     assert got[0]["weight"] == got[1]["weight"]  # averaged: the replicas stay identical
     assert got[0]["auto_moved"] is True
+    for out in got:
+        (warning,) = out["warnings"]
+        assert warning.startswith("DP replicas of pp0.tp0 hold different extra.rng.cpu: "), warning
     assert got[0]["auto_weight"] == got[1]["auto_weight"]
 
 
