@@ -35,14 +35,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 JOB = "two-hosts"
 
 
-def _config(out: Path, store_root: Path | None) -> TrainConfig:
+def _config(out: Path, store_root: Path | None, full_every: int = 1) -> TrainConfig:
     cfg = tiny_config(
         out, iterations=40, batch=8, num_dp=2, num_pp=2, num_microbatches=2, ranks_per_node=2
     )
     if store_root is not None:
         cfg.checkpoint = CheckpointConfig(
-            # full snapshots (full_every=1): where shards sit is what this test is about
-            policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=1),
+            policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=full_every),
             profile_iters=2,
             store_root=str(store_root),
             job_id=JOB,
@@ -164,10 +163,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("full_every", [1, 3], ids=["full", "differential"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_replacement_host_restores_from_the_survivors_memory(
-    tmp_path: Path, reference: dict[str, Any], case: str
+    tmp_path: Path, reference: dict[str, Any], case: str, full_every: int
 ) -> None:
+    """Full snapshots and differential checkpoints (full_every=3: every payload of the
+    window is found wherever its shard sits)."""
     import torch.distributed as dist
 
     addr, want_hosts, want_origins = CASES[case]
@@ -175,12 +177,12 @@ def test_replacement_host_restores_from_the_survivors_memory(
     roots = Path("/dev/shm") / f"baft-2h-{tmp_path.name}"
     out = tmp_path / "run"
     try:
-        cfg_a = _config(out, roots / "a")
+        cfg_a = _config(out, roots / "a", full_every)
         cfg_a.validate()
         path_a = prepare_run_dir(cfg_a)  # clean run directory, config for host a
         paths = {"a": path_a}
         for host in ("b", "c"):
-            cfg = _config(out, roots / host)
+            cfg = _config(out, roots / host, full_every)
             paths[host] = out / f"config-{host}.json"
             paths[host].write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         for host in ("a", "b", "c"):
