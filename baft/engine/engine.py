@@ -179,6 +179,10 @@ class CheckpointEngine:
         self._k_reason = "full_every=1"
         self._persist_copy: tuple[int, dict[str, torch.Tensor]] | None = None
         self._persist_buf: torch.Tensor | None = None
+        self._rotation_k: int | None = None
+        self._reclaim_after: int | None = None
+        """Restored from memory at this version: once the own stores hold a whole newer
+        window, copies left by an earlier rank numbering are freed."""
         self._sizes = (0, 0, 2)
         """Store allocation of the plan: shard bytes, redundancy bytes, slots."""
         self.plan_iteration = ck.profile_iters
@@ -205,13 +209,17 @@ class CheckpointEngine:
         resume_iteration: int,
         restored_version: int | None = None,
         first_version: int | None = None,
+        rotation_k: int | None = None,
     ) -> None:
         """Train from ``resume_iteration``; ``restored_version`` is what a restore from
-        memory brought back (committed already), ``first_version`` the start of its
-        differential rotation (its payloads stay in the store and the rotation goes on).
-        Re-plans at once from a saved profile. Collective: every rank calls it once."""
+        memory brought back (committed already), ``first_version`` and ``rotation_k`` the
+        start and full_every of its differential rotation (its payloads stay in the store
+        and the rotation goes on with the same k). Re-plans at once from a saved profile.
+        Collective: every rank calls it once."""
         self.skip_version = restored_version
         self.first_version = first_version
+        self._rotation_k = rotation_k
+        self._reclaim_after = restored_version
         if restored_version is not None:
             self.votes.adopt(restored_version)
         if self.policy.full_every != 1:
@@ -342,6 +350,11 @@ class CheckpointEngine:
         if self.records is None:
             self._k_reason = "full_every=1"
             return 1
+        if self._rotation_k is not None:  # the restored rotation goes on
+            self._k_reason = f"full_every={self._rotation_k} (the restored rotation's)"
+            return self._rotation_k
+        if self.plan is not None:  # a re-plan keeps k: a new rotation would open a gap
+            return self.k
         if self.policy.full_every >= 1:
             self._k_reason = f"full_every={self.policy.full_every} (configured)"
             return self.policy.full_every
@@ -642,8 +655,26 @@ class CheckpointEngine:
         }
         self._persist_copy = (iteration, views)
 
+    def _reclaim_foreign(self, version: int) -> None:
+        """Once the own stores committed a whole window after a restore from memory, free
+        this job's store directories that no current rank writes (an earlier numbering):
+        the restore was their last use. The lowest rank of this host does it; every current
+        rank's directory is spared, wherever it lives."""
+        if self._reclaim_after is None or version < self._reclaim_after + self.k:
+            return
+        self._reclaim_after = None
+        if self.rank != min({self.rank, *self.peers}):
+            return
+        topo = self.topology
+        own = {(topo.node_of(r), r) for r in range(topo.world_size)}
+        freed = SnapshotStore.reclaim_foreign(self.store.root, self.ck.job_id, own, version)
+        if freed:
+            log.info("freed %d store(s) of an earlier rank numbering: %s", len(freed), freed)
+
     def _resolve_commit(self) -> None:
         version = self.votes.resolve()
+        if version is not None:
+            self._reclaim_foreign(version)
         if version is not None and self.k > 1:
             if self._persist_copy is not None and self._persist_copy[0] == version:
                 views = self._persist_copy[1]

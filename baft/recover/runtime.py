@@ -210,6 +210,7 @@ def recover_and_start(
         resume,
         restored_version=plan.version if plan.source == "memory" else None,
         first_version=window.first_version if window is not None else None,
+        rotation_k=window.k if window is not None else None,
     )
     report.first_iteration_started()
     return resume, report
