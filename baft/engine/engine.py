@@ -39,6 +39,7 @@ from baft.engine.device import ChunkCopy, DeviceCopy, pin_host_buffer
 from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, persist_name
+from baft.engine.persisting import LiveCopy, flush, replica_share, slot_views
 from baft.engine.planning import (
     REPLAN_AFTER_CHECKPOINTS,
     SPILL,
@@ -177,8 +178,7 @@ class CheckpointEngine:
         self.payload: PayloadViews | None = None
         self.records: RecordCapture | None = None
         self._k_reason = "full_every=1"
-        self._persist_copy: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._persist_buf: torch.Tensor | None = None
+        self._persist_copy = LiveCopy(device)
         self._rotation_k: int | None = None
         self._reclaim_after: int | None = None
         """Restored from memory at this version: once the own stores hold a whole newer
@@ -628,32 +628,16 @@ class CheckpointEngine:
         return meta
 
     def _start_persist_copy(self, iteration: int) -> None:
-        """Differential: a slot holds a payload, not the state, so every
-        ``persist_every``-th version this DP replica's share of whole tensors is also copied
-        from the live state to a host buffer (on the asynchronous copier, done by the step
-        deadline) that the persister reads once the version commits."""
+        """Differential: every ``persist_every``-th version the live state (this DP
+        replica's share) is copied in the background for the persister (see
+        :mod:`baft.engine.persisting`)."""
         every = self.policy.persist_every
         if self.persists.persister is None or not every or iteration % every:
             return
         self.persists.join()  # the buffer is reused
-        c, num_dp = self.topology.coords(self.rank), self.topology.num_dp
-        owned = [
-            (n, t) for i, (n, t) in enumerate(self.state.named_tensors()) if i % num_dp == c.dp
-        ]
-        flat = FlatState(owned)
-        if self._persist_buf is None or self._persist_buf.numel() != flat.nbytes:
-            self._persist_buf = torch.empty(flat.nbytes, dtype=torch.uint8)
-            if self.device.type == "cuda":
-                pin_host_buffer(self._persist_buf)
-        buf = self._persist_buf
-        self.spill_copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
-        views = {
-            persist_name(n): buf[off : off + t.numel() * t.element_size()]
-            .view(t.dtype)
-            .view(t.shape)
-            for n, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True)
-        }
-        self._persist_copy = (iteration, views)
+        c = self.topology.coords(self.rank)
+        share = replica_share(self.state.named_tensors(), c.dp, self.topology.num_dp)
+        self._persist_copy.start(iteration, share, self.spill_copier)
 
     def _reclaim_foreign(self, version: int) -> None:
         """Once the own stores committed a whole window after a restore from memory, free
@@ -675,34 +659,28 @@ class CheckpointEngine:
         version = self.votes.resolve()
         if version is not None:
             self._reclaim_foreign(version)
-        if version is not None and self.k > 1:
-            if self._persist_copy is not None and self._persist_copy[0] == version:
-                views = self._persist_copy[1]
-                self._persist_copy = None
+        if version is None:
+            return
+        meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
+        if self.k > 1:
+            views = self._persist_copy.take(version)
+            if views is not None:
                 self._fire("persist", version)
-                meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
                 self.persists.start(version, lambda: views, meta)
             return
-        if version is not None and self.persists.due(self.votes.num_committed):
+        if self.persists.due(self.votes.num_committed):
             self._fire("persist", version)
             slot = next(
-                s for s in (0, 1)
+                s for s in range(self.store.num_slots)
                 if (m := self.store.read_manifest(s)) is not None and m.version == version
             )  # fmt: skip
-            meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
-            self.persists.start(version, lambda: self._persist_state(slot), meta)
-
-    def _persist_state(self, slot: int) -> dict[str, torch.Tensor]:
-        """Whole tensors of this rank's shard, as typed views of the committed slot."""
-        s = self.schedule
-        data = torch.from_numpy(self.store.data_view(slot))
-        out: dict[str, torch.Tensor] = {}
-        for name, t, off in zip(self.flat.names, self.flat.tensors, self.flat.offsets, strict=True):
-            n = t.numel() * t.element_size()
-            if s.owned_start <= off and off + n <= s.owned_stop:
-                raw = data[off - s.owned_start : off - s.owned_start + n]
-                out[persist_name(name)] = raw.view(t.dtype).view(t.shape)
-        return out
+            data = torch.from_numpy(self.store.data_view(slot))
+            sched = self.schedule
+            self.persists.start(
+                version,
+                lambda: slot_views(self.flat, data, sched.owned_start, sched.owned_stop),
+                meta,
+            )
 
     def _flush_and_exit(self, iteration: int) -> None:
         """Every rank agreed to stop (SIGTERM): persist the live state, which is version
@@ -714,22 +692,12 @@ class CheckpointEngine:
         self._quiesce()
         persister = self.persists.persister
         if persister is not None:
-            c, num_dp = self.topology.coords(self.rank), self.topology.num_dp
-            state = {
-                persist_name(n): t
-                for i, (n, t) in enumerate(zip(self.flat.names, self.flat.tensors, strict=True))
-                if i % num_dp == c.dp
-            }
+            c = self.topology.coords(self.rank)
+            named = list(zip(self.flat.names, self.flat.tensors, strict=True))
+            share = replica_share(named, c.dp, self.topology.num_dp)
             meta = {"version": iteration, "rank_meta": {}, "world_size": self.topology.world_size}
-            t0 = time.perf_counter()
-            try:
-                persister.save_async(iteration, state, meta).wait(self.ck.flush_timeout_s)
-                log.warning(
-                    "SIGTERM: v%d flushed to %s in %.2f s; exiting",
-                    iteration, self.ck.persist_dir, time.perf_counter() - t0,
-                )  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - exiting anyway; memory keeps the rest
-                log.error("SIGTERM: flushing v%d failed (%s); exiting", iteration, e)
+            state = {persist_name(n): t for n, t in share}
+            flush(persister, iteration, state, meta, self.ck.flush_timeout_s, self.ck.persist_dir)
         raise SystemExit(0)
 
     def _quiesce(self) -> None:

@@ -1,0 +1,108 @@
+"""What the engine hands the DCP persister: whole tensors of this rank's share.
+
+- **Full snapshots** (``full_every=1``): typed views of the committed slot's bytes
+  (:func:`slot_views`), no copy; the slot is not reused until the save is done.
+- **Differential** (``full_every > 1``): a slot holds a payload, not the state, so every
+  ``persist_every``-th version the live state is copied once more, in the background, to a
+  host buffer (:class:`LiveCopy`) that the persister reads once that version commits.
+- **SIGTERM flush**: the live tensors themselves (:func:`flush`), synchronously and
+  bounded, because the process is about to exit.
+
+DP replicas hold the same state: each persists its share of whole tensors
+(:func:`replica_share`), so every key is written exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from baft.engine.device import DeviceCopy, pin_host_buffer
+from baft.engine.flat import FlatState
+from baft.engine.persister import Persister, persist_name
+
+log = logging.getLogger("baft")
+
+
+def replica_share(
+    named: list[tuple[str, torch.Tensor]], dp: int, num_dp: int
+) -> list[tuple[str, torch.Tensor]]:
+    """DP replica ``dp``'s share of whole tensors (every ``num_dp``-th, from its index)."""
+    return [(n, t) for i, (n, t) in enumerate(named) if i % num_dp == dp]
+
+
+def slot_views(
+    flat: FlatState, data: torch.Tensor, start: int, stop: int
+) -> dict[str, torch.Tensor]:
+    """Whole tensors of the flat range ``[start, stop)`` this rank owns, as typed views of
+    a slot's bytes ``data`` (which begin at flat offset ``start``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True):
+        n = t.numel() * t.element_size()
+        if start <= off and off + n <= stop:
+            out[persist_name(name)] = (
+                data[off - start : off - start + n].view(t.dtype).view(t.shape)
+            )
+    return out
+
+
+class LiveCopy:
+    """A background copy of live tensors into one reused host buffer (pinned on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+        self.version: int | None = None
+        self.views: dict[str, torch.Tensor] = {}
+
+    def start(
+        self, version: int, named: list[tuple[str, torch.Tensor]], copier: DeviceCopy
+    ) -> None:
+        """Start copying ``named`` (done by the copier's next ``synchronize``)."""
+        flat = FlatState(named)
+        if self._buf is None or self._buf.numel() != flat.nbytes:
+            self._buf = torch.empty(flat.nbytes, dtype=torch.uint8)
+            if self.device.type == "cuda":
+                pin_host_buffer(self._buf)
+        buf = self._buf
+        copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
+        self.views = {
+            persist_name(n): buf[off : off + t.numel() * t.element_size()]
+            .view(t.dtype)
+            .view(t.shape)
+            for n, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True)
+        }
+        self.version = version
+
+    def take(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The copied tensors if they are of ``version`` (then forgotten), else None."""
+        if self.version != version:
+            return None
+        self.version = None
+        return self.views
+
+
+def flush(
+    persister: Persister,
+    version: int,
+    state: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    timeout_s: float,
+    where: str,
+) -> None:
+    """Persist ``state`` as ``version`` now, within ``timeout_s``; log the outcome (the
+    caller exits either way: what memory holds is still there for a restart)."""
+    t0 = time.perf_counter()
+    try:
+        persister.save_async(version, state, meta).wait(timeout_s)
+        log.warning(
+            "SIGTERM: v%d flushed to %s in %.2f s; exiting",
+            version,
+            where,
+            time.perf_counter() - t0,
+        )
+    except Exception as e:  # noqa: BLE001 - exiting anyway; memory keeps the rest
+        log.error("SIGTERM: flushing v%d failed (%s); exiting", version, e)
