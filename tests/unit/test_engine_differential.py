@@ -5,9 +5,7 @@ bit-exactly, for every rank."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from baft.plan.types import BubbleMap, Slot, StateLayout
 from baft.recover.differential import RestoreError, rebuild_from_payloads, window_of
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
+from tests.unit.test_engine_inprocess import _on_ranks
 
 WORLD = 2
 
@@ -126,35 +125,23 @@ def _build(tmp: Path, full_every: int) -> tuple[list[CheckpointEngine], list[_Mo
 
 
 def _train(engines: list[CheckpointEngine], models: list[_Model], n: int) -> list[list[bytes]]:
-    states: list[list[bytes]] = [[] for _ in range(WORLD)]
-    errors: list[BaseException] = []
+    def rank(r: int) -> list[bytes]:
+        e, m, states = engines[r], models[r], []
+        e.start(0)
+        for it in range(n):
+            tl = IterationTimeline(it, r)
+            e.before_iteration(it, tl)
+            for slot, kind in (("w0", "p2p"), ("pre_step", "pre_step")):
+                e.on_slot(slot, kind, tl)
+                e.after_slot(slot)
+            states.append(m.flat_bytes())  # version it: the state before step it
+            m.step(r, it)  # grads first: the engine records what the step consumes
+            e.before_optimizer_step(it, tl)  # (the runner's order: hook, then step)
+            e.after_step(it, tl)
+        e.close()
+        return states
 
-    def rank(r: int) -> None:
-        try:
-            e, m = engines[r], models[r]
-            e.start(0)
-            for it in range(n):
-                tl = IterationTimeline(it, r)
-                e.before_iteration(it, tl)
-                for slot, kind in (("w0", "p2p"), ("pre_step", "pre_step")):
-                    e.on_slot(slot, kind, tl)
-                    e.after_slot(slot)
-                states[r].append(m.flat_bytes())  # version it: the state before step it
-                m.step(r, it)  # grads first: the engine records what the step consumes
-                e.before_optimizer_step(it, tl)  # (the runner's order: hook, then step)
-                e.after_step(it, tl)
-            e.close()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return states
+    return _on_ranks(rank)
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -162,7 +149,7 @@ def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
     tmp_path: Path, k: int
 ) -> None:
     engines, models = _build(tmp_path, k)
-    states = _train_in_order(engines, models, 8)
+    states = _train(engines, models, 8)
     for r, e in enumerate(engines):
         assert e.k == k
         store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
@@ -189,7 +176,3 @@ def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
                 dict(fresh.named_tensors()), fresh.optimizer, fresh.named_params(),
             )  # fmt: skip
         store.close()
-
-
-def _train_in_order(engines: list[CheckpointEngine], models: list[_Model], n: int) -> Any:
-    return _train(engines, models, n)
