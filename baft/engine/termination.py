@@ -65,11 +65,13 @@ class Termination:
             self._timer.cancel()
 
     def _die(self) -> None:
+        """Runs on the timer thread, where Python cannot re-install a signal handler: leave
+        at once with the status a SIGTERM death gives (128 + 15), as without baft."""
         log.warning(
             "SIGTERM: no agreed flush within %.1f s (a peer is gone?): exiting", self.grace_s
         )
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
 
     def uninstall(self) -> None:
         if self._timer is not None:
