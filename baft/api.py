@@ -175,7 +175,7 @@ class Protected:
         gathered: list[Any] = [None] * dist.get_world_size(self.mesh.dp_group)
         dist.all_gather_object(gathered, mine, group=self.mesh.dp_group)
         differ = sorted({n for g in gathered for n in mine if g.get(n) != mine[n]})
-        if differ:
+        if differ and self.mesh.coords.dp == 0:  # one line per stage
             log.warning(
                 "DP replicas of pp%d.tp%d hold different %s: a checkpoint keeps one copy "
                 "per stage, so after a restore every replica continues with the same one; "

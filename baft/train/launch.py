@@ -18,6 +18,9 @@ from baft.config import TrainConfig, default_job_id
 
 
 def torchrun_command(cfg_path: Path, nproc: int, max_restarts: int = 0) -> list[str]:
+    """torchrun for the workers of ``cfg_path``'s run. Worker output goes to
+    ``RUN_DIR/logs/`` (a crashed rank's peers' stack traces stay off the console); stdout
+    is also shown (rank 0's progress and its one line per plan, failure and recovery)."""
     return [
         sys.executable,
         "-m",
@@ -26,6 +29,9 @@ def torchrun_command(cfg_path: Path, nproc: int, max_restarts: int = 0) -> list[
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
+        f"--log-dir={cfg_path.parent / 'logs'}",
+        "--redirects=3",
+        "--tee=1",
         "-m",
         "baft.train.worker",
         str(cfg_path),
@@ -36,7 +42,7 @@ def launch_env() -> dict[str, str]:
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("LOGLEVEL", "WARNING")
+    env.setdefault("LOGLEVEL", "ERROR")  # torchrun: one line per failed worker
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env
 
@@ -70,6 +76,7 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "timeline", ignore_errors=True)
     shutil.rmtree(out / "progress", ignore_errors=True)
+    shutil.rmtree(out / "logs", ignore_errors=True)
     if ck is not None:
         ck.job_id = ck.job_id or default_job_id(cfg.out_dir)
         ck.persist_dir = ck.persist_dir or str(out / "checkpoints")

@@ -127,8 +127,10 @@ def _show_baft_log() -> None:
     errors); the library itself only logs (a user's script decides)."""
     log = logging.getLogger("baft")
     if not log.handlers:
-        handler = logging.StreamHandler()
         rank = os.environ.get("RANK", "?")
+        # rank 0's lines go to stdout, which the launcher shows; every rank's warnings and
+        # errors to stderr, which it keeps in RUN_DIR/logs
+        handler = logging.StreamHandler(sys.stdout if rank == "0" else sys.stderr)
         handler.setFormatter(logging.Formatter(f"[baft rank {rank}] %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO if rank == "0" else logging.WARNING)

@@ -134,6 +134,8 @@ def _run_and_freeze(cfg: TrainConfig, rank: int, at_iteration: int, delay_s: flo
             os.kill(frozen_pid, signal.SIGKILL)
         log.close()
     text = (out / "torchrun.log").read_text(errors="replace")
+    for f in sorted((out / "logs").rglob("*.log")):  # workers' own output (RUN_DIR/logs)
+        text += f"\n--- {f.relative_to(out)} ---\n" + f.read_text(errors="replace")
     assert rc == 0, f"job failed ({rc}):\n{text[-4000:]}"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
