@@ -180,6 +180,8 @@ class CheckpointEngine:
         self._k_reason = "full_every=1"
         self._persist_copy = LiveCopy(device)
         self._rotation_k: int | None = None
+        self._iteration_s = 0.0
+        self._last_step_t: float | None = None
         self._reclaim_after: int | None = None
         """Restored from memory at this version: once the own stores hold a whole newer
         window, copies left by an earlier rank numbering are freed."""
@@ -333,8 +335,8 @@ class CheckpointEngine:
         )
         self.plan_iteration = -1
         if self.termination is not None:  # a SIGTERM flush comes within ~2 iterations
-            slowest = max(b.iteration_s for b in bubbles.values())
-            self.termination.grace_s = min(self.ck.flush_timeout_s, 1.0 + 2.0 * slowest)
+            self._iteration_s = max(b.iteration_s for b in bubbles.values())
+            self._set_grace(self._iteration_s)  # the profiled iteration, until one is timed
         paths = self.exchange.paths()
         via = (
             f"redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
@@ -453,7 +455,20 @@ class CheckpointEngine:
                 "snapshot-wait", "ckpt", start, start + waited, slot="pre_step", exposed=True
             )
 
+    def _set_grace(self, iteration_s: float) -> None:
+        """The SIGTERM grace: the agreed flush comes at the latest two votes later, so
+        three iterations (of the profiled or the last one, whichever is longer) and at
+        least 5 s, at most ``flush_timeout_s``. A crashed peer's group restart waits for it."""
+        assert self.termination is not None
+        longest = max(iteration_s, self._iteration_s)
+        self.termination.grace_s = min(self.ck.flush_timeout_s, max(5.0, 1.0 + 3.0 * longest))
+
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        if self.termination is not None:
+            now = time.perf_counter()
+            if self._last_step_t is not None:
+                self._set_grace(now - self._last_step_t)
+            self._last_step_t = now
         v = self._cur
         if v is not None and v.version == iteration:
             start = timeline.now()

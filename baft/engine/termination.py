@@ -11,7 +11,7 @@ it "persist at breakpoint").
 
 A SIGTERM that a crashed peer triggers (torchrun stopping the rest of the group before a
 restart) cannot be flushed collectively: the dead rank never votes. So the flag has a
-grace period (about two iterations, see ``grace_s``): when no agreed flush has begun by
+grace period (three iterations and at least 5 s, see ``grace_s``): when no agreed flush has begun by
 then, the process dies of the SIGTERM as it would have without baft, and the restart is
 not held up; its memory stores keep the newest version for the restart.
 """
