@@ -23,13 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from baft.engine.flat import FlatState
-from baft.pipeline.state import (
-    decode_hypers,
-    decode_value,
-    encode_hypers,
-    encode_value,
-    param_group_hypers,
-)
+from baft.pipeline.encoding import decode_value, encode_value
+from baft.pipeline.state import decode_hypers, encode_hypers, param_group_hypers
 from baft.plan.payload import GRAD_PREFIX, RECORD_META, PayloadLayout
 
 

@@ -52,16 +52,13 @@ from baft.recover.coordinator import (
     coordinate_located,
     reader_of,
 )
+from baft.recover.differential import RestoreError
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, checksum
 from baft.store.shm import SnapshotStore, StoreReadError, find_stores, job_path
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
-
-
-class RestoreError(RuntimeError):
-    """A rank cannot be restored; the message names the shard, version and cause."""
 
 
 class RecoveryReport:
