@@ -28,6 +28,7 @@ fresh job finds empty stores and starts at iteration 0):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -465,13 +466,41 @@ def _reclaim(
     return removed
 
 
+def _unattributed_hangs(run_dir: Path, attempt: int) -> list[dict[str, Any]]:
+    """The hang records that ended an earlier attempt since the last recovery resumed.
+
+    Not only the previous attempt's: on a loaded machine the first restart after a hang
+    can itself fail (a restore wait timing out while the frozen process is still being
+    torn down), and the attempt that finally recovers must still say who hung. Records
+    from before the last recovery belong to that recovery.
+    """
+    if attempt <= 0:
+        return []
+    since = 0.0
+    try:
+        for line in (run_dir / "recoveries.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError, TypeError):
+                since = max(since, float(json.loads(line).get("resumed_at", 0.0)))
+    except FileNotFoundError:
+        pass
+    hangs = [
+        h
+        for h in read_hangs(run_dir)
+        if int(h.get("attempt", attempt)) < attempt and float(h["detected_at"]) > since
+    ]
+    if not hangs:
+        return []
+    first_attempt = min(int(h["attempt"]) for h in hangs)
+    return [h for h in hangs if int(h["attempt"]) == first_attempt]
+
+
 def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: float) -> None:
     """If a watchdog ended the previous attempt: who hung, and detection apart from restart.
 
     ``detect`` runs from the suspect's last heartbeat (the freeze, to within one beat
     period) to the first rank that noticed; ``restart`` from there to this process's start.
     """
-    hangs = read_hangs(run_dir, attempt - 1) if attempt > 0 else []
+    hangs = _unattributed_hangs(run_dir, attempt)
     if not hangs:
         return
     first = hangs[0]

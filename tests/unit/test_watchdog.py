@@ -210,3 +210,28 @@ def test_a_finished_rank_is_not_a_hang(tmp_path: Path) -> None:
     finally:
         dogs[0].stop()
         del master
+
+
+def test_recovery_attributes_the_hang_that_began_its_chain(tmp_path: Path) -> None:
+    """A hang at attempt 0 whose first restart failed is still the hang the recovery at
+    attempt 2 reports; a hang an earlier recovery already reported is not."""
+    import json
+
+    from baft.recover.runtime import _unattributed_hangs
+
+    def hang(attempt: int, at: float, suspect: int) -> None:
+        rec = {"attempt": attempt, "detected_at": at, "last_seen_at": at - 8, "suspect": suspect}
+        wdm.append_hang(tmp_path, rec)
+
+    hang(0, 100.0, 1)  # reported by the recovery that resumed at 120
+    (tmp_path / "recoveries.jsonl").write_text(json.dumps({"resumed_at": 120.0}) + "\n")
+    hang(1, 200.0, 0)  # attempt 1's hang: its restart (attempt 2) failed before resuming
+    hang(1, 201.0, 1)
+    assert _unattributed_hangs(tmp_path, 0) == []
+    assert _unattributed_hangs(tmp_path, 1) == []  # attempt 0's hang was reported already
+    got = _unattributed_hangs(tmp_path, 3)
+    assert [(h["attempt"], h["suspect"]) for h in got] == [(1, 0), (1, 1)]
+    assert [(h["attempt"], h["suspect"]) for h in _unattributed_hangs(tmp_path, 2)] == [
+        (1, 0),
+        (1, 1),
+    ]
