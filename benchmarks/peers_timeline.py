@@ -1,6 +1,7 @@
 """Per-rank timelines of the peer comparison: where each mode's checkpoint work lands.
 
     .venv/bin/python benchmarks/peers_timeline.py [--compute real] [--iters 4]
+        [--modes none,naive-async,baft-full,baft --name modes]
 
 One torchrun launch (pp=2, the ``baft bench overhead`` default model and flags), the modes
 none, baft, lm-resiliency and dlrover-flash one after another on the same trainer (each
@@ -11,7 +12,9 @@ mode. Every mode's main-thread checkpoint work is an event in the iteration's ti
 lm-resiliency's replication) show only as longer compute and waits. Writes
 ``benchmarks/results/peers-timeline-<compute>-<date>.png`` (the last two recorded
 iterations of each mode, one panel per mode) and prints per-mode medians.
-Needs the peers extra (``pip install -e '.[peers]'``).
+Needs the peers extra (``pip install -e '.[peers]'``) for the peer modes; ``--modes`` picks
+others (any ``baft bench overhead`` mode) and ``--name`` the PNG's prefix
+(``<name>-timeline-<compute>-<date>.png``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def worker(cfg_path: str) -> None:
         mesh = init_mesh(cfg.parallel)
         if bcfg.compute == "emulated":
             cfg.compute = "emulated"
-            cfg.emulated_times = calibrate_emulated(cfg, mesh)
+            cfg.emulated_times = bcfg.fixed_emulated_times() or calibrate_emulated(cfg, mesh)
         trainer = Trainer(cfg, mesh)
         it = 0
         for _ in range(bcfg.num_warmup):
@@ -86,7 +89,7 @@ def worker(cfg_path: str) -> None:
     process_main(body)
 
 
-def _draw(run: Path, path: Path, title: str) -> dict[str, float]:
+def _draw(run: Path, path: Path, title: str, modes: list[str]) -> dict[str, float]:
     """One panel per mode (the last two recorded iterations); median iteration ms."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -95,12 +98,12 @@ def _draw(run: Path, path: Path, title: str) -> dict[str, float]:
     from baft.profile.timeline import read_timelines
     from baft.profile.trace import _COLOR, _draw_rank
 
-    fig = Figure(figsize=(14, 2.2 * len(MODES)), dpi=110)
+    fig = Figure(figsize=(14, 2.2 * len(modes)), dpi=110)
     FigureCanvasAgg(fig)
     medians = {}
     width = 0.0
     panels = []
-    for mode in MODES:
+    for mode in modes:
         records = read_timelines(run / "timelines" / mode)
         medians[mode] = 1e3 * statistics.median(
             max(rs[i].iter_s for rs in records.values()) for i in range(len(records[0]))
@@ -111,7 +114,7 @@ def _draw(run: Path, path: Path, title: str) -> dict[str, float]:
         width = max(width, end)
         panels.append((mode, chosen, origin, end))
     for i, (mode, chosen, origin, end) in enumerate(panels):
-        ax = fig.add_subplot(len(MODES), 1, i + 1)
+        ax = fig.add_subplot(len(modes), 1, i + 1)
         for row, recs in enumerate(chosen.values()):
             _draw_rank(ax, row, recs, origin, end)
         ax.set_yticks(range(len(chosen)))
@@ -144,6 +147,9 @@ def main() -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--compute", choices=("real", "emulated"), default="real")
     p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes, in order")
+    p.add_argument("--name", default="peers", help="PNG name prefix")
+    p.add_argument("--emulated-ms", default="", help="fixed emulated stage times, as bench's")
     p.add_argument("--out", default="runs/peers-timeline")
     p.add_argument("--results-dir", default="benchmarks/results")
     a = p.parse_args()
@@ -154,7 +160,8 @@ def main() -> int:
     from baft.bench.overhead import OverheadConfig
     from baft.train.launch import launch_env
 
-    bcfg = OverheadConfig(modes=MODES, compute=a.compute, out_dir=a.out)
+    modes = [m for m in a.modes.split(",") if m]
+    bcfg = OverheadConfig(modes=modes, compute=a.compute, out_dir=a.out, emulated_ms=a.emulated_ms)
     bcfg.validate()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,8 +182,8 @@ def main() -> int:
         print(f"timeline job failed (exit code {rc})", file=sys.stderr)
         return 1
     tag = " (EMULATED compute)" if a.compute == "emulated" else ""
-    png = Path(a.results_dir) / f"peers-timeline-{a.compute}-{dt.date.today().isoformat()}.png"
-    medians = _draw(out, png, f"where each mode's checkpoint work lands, pp=2{tag}")
+    png = Path(a.results_dir) / f"{a.name}-timeline-{a.compute}-{dt.date.today().isoformat()}.png"
+    medians = _draw(out, png, f"where each mode's checkpoint work lands, pp=2{tag}", modes)
     print(json.dumps({"png": str(png), "median_iter_ms": medians, "load_before": load,
                       "load_after": os.getloadavg()[0], "wall_s": time.time() - start}))  # fmt: skip
     return 0

@@ -134,7 +134,8 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
         f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
         f"- blocks: {cfg['num_blocks']} x {cfg['block_iters']} measured iterations per mode, "
-        f"interleaved; {cfg['num_switch_iters']} unmeasured after each switch",
+        f"interleaved, each round in another order (Williams design); "
+        f"{cfg['num_switch_iters']} unmeasured after each switch",
         "- state per rank (model + AdamW): "
         + ", ".join(f"{b / 2**20:.1f} MiB" for b in result["state_bytes_per_rank"]),
         f"- sync_snapshot_fraction: {_fmt(result['sync_snapshot_fraction'], '.3f')} "

@@ -35,7 +35,8 @@ class NaiveAsyncEngine(CheckpointEngine):
         v = self._current(iteration)
         if v is not None and v.snapshot_event is not None:  # the snapshot must be done
             start = timeline.now()
-            v.snapshot_event.wait()
+            with self.worker.boosted():  # as drain: no inversion behind other ranks
+                v.snapshot_event.wait()
             v.exposed_s += timeline.now() - start
             timeline.add(
                 "snapshot-join", "ckpt", start, timeline.now(), slot="pre_step", exposed=True

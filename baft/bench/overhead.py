@@ -2,9 +2,10 @@
 
 One torchrun launch runs ``python -m baft.bench.overhead CONFIG_JSON`` on every rank. Each
 rank builds one :class:`~baft.train.trainer.Trainer` and one hooks object per mode, then
-interleaves blocks of iterations across modes (A B C ... A B C ...). Before each block the
-mode runs ``num_switch_iters`` unmeasured iterations, and after it its background work is
-drained, so no mode's work leaks into another's numbers. Per measured iteration every rank
+interleaves blocks of iterations across modes, each round in another order (a Williams
+design: every mode follows every other equally often). Before each block the mode runs
+``num_switch_iters`` unmeasured iterations, and after it its background work is drained,
+so no mode's work leaks into another's numbers. Per measured iteration every rank
 records its wall seconds and the mode's ``last_metrics``; one all-reduce per block brings
 them to rank 0, which writes ``OUT/overhead-raw.json``. :func:`summarize` (pure) turns
 that into the reported numbers; :mod:`baft.bench.command` renders the results page.
@@ -235,6 +236,29 @@ def summarize_mode(samples: dict[str, list[list[float]]]) -> dict[str, Any]:
     }
 
 
+def block_order(modes: list[str], block: int) -> list[str]:
+    """The order of the modes in round ``block``: the rows of a Williams design (a Latin
+    square balanced for carry-over), so that over ``n`` rounds (``2n`` for an odd number
+    of modes) every mode follows every other one equally often. What a mode inherits from
+    its predecessor (page cache, allocator state, a neighbour's leftover work) is then
+    spread over all modes instead of always landing on the same one; a plain rotation
+    keeps every mode behind the same predecessor."""
+    n = len(modes)
+    if n < 3:
+        return modes[block % n :] + modes[: block % n] if n else []
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [r[::-1] for r in rows]
+    return [modes[i] for i in rows[block % len(rows)]]
+
+
 def block_medians(iter_s: list[list[float]], block_iters: int) -> list[float]:
     """Median iteration seconds (max over ranks) of each consecutive block."""
     per_iter = [max(row) for row in iter_s]
@@ -463,8 +487,10 @@ def _measure(
 ) -> dict[str, dict[str, list[list[float]]]]:
     """The interleaved blocks, from iteration ``it``: {mode: {field: [iteration][rank]}}."""
     samples: dict[str, dict[str, list[list[float]]]] = {m: {f: [] for f in FIELDS} for m in hooks}
+    names = list(hooks)
     for block in range(bcfg.num_blocks):
-        for mode, h in hooks.items():
+        for mode in block_order(names, block):
+            h = hooks[mode]
             _switch(trainer, h, True)
             _run_block(trainer, h, it, bcfg.num_switch_iters)
             it += bcfg.num_switch_iters

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from baft.engine.priority import lower_thread_priority
+from baft.engine.priority import lower_thread_priority, set_thread_idle
 
 HASH_BLOCK_BYTES = 512 << 10
 """Copy-and-hash granularity: a block is hashed right after it is copied, while it is
@@ -126,17 +126,27 @@ class HostCopy:
 class ThreadCopy:
     """Accelerator semantics on the host (``--compute emulated``): a copy thread plays
     the DMA engine. ``start`` only queues; the thread copies and hashes in FIFO order;
-    ``synchronize`` (the step deadline) waits for the queue. It keeps normal priority by
-    default: a DMA engine is not scheduled behind other work, and the step waits for it."""
+    ``synchronize`` (the step deadline) waits for the queue.
+
+    The thread runs at ``SCHED_IDLE`` (:mod:`baft.engine.priority`): a DMA engine takes
+    no host CPU, so the copy thread that plays one must not delay the training thread's
+    wake-ups either (at normal priority each wake-up from a pipeline wait can queue
+    behind it for a scheduler slice). While the step waits for it in ``synchronize`` it
+    runs at normal priority, so that no other busy thread starves it (no inversion)."""
 
     asynchronous = True
 
-    def __init__(self, *, idle_priority: bool = False) -> None:
+    def __init__(self) -> None:
         self._queue: queue.Queue[tuple[Sequence[Pair], ChunkCopy] | None] = queue.Queue()
-        self._idle_priority = idle_priority
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="baft-copy", daemon=True)
+        self._idle = False
+        self._native_id = 0
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="baft-copy", daemon=True
+        )
         self._thread.start()
+        started.wait()
 
     def start(self, pairs: Sequence[Pair]) -> ChunkCopy:
         c = ChunkCopy(_pairs_nbytes(pairs), background=True)
@@ -144,7 +154,14 @@ class ThreadCopy:
         return c
 
     def synchronize(self) -> None:
-        self._queue.join()
+        boosted = False
+        if self._idle and self._queue.unfinished_tasks:
+            boosted = set_thread_idle(self._native_id, False)
+        try:
+            self._queue.join()
+        finally:
+            if boosted:
+                set_thread_idle(self._native_id, True)
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("snapshot copy failed") from err
@@ -153,9 +170,10 @@ class ThreadCopy:
         self._queue.put(None)
         self._thread.join(30.0)
 
-    def _run(self) -> None:
-        if self._idle_priority:
-            lower_thread_priority()
+    def _run(self, started: threading.Event) -> None:
+        self._native_id = threading.get_native_id()
+        self._idle = lower_thread_priority("copy")
+        started.set()
         while True:
             item = self._queue.get()
             try:

@@ -3,7 +3,9 @@
 Linux schedules threads individually, so a protect or copy thread can drop to
 ``SCHED_IDLE`` (runs only when a core would otherwise idle) without touching the training
 thread. Elsewhere, or where the call is refused, the thread keeps its priority and the
-reason is logged once. ``BAFT_BACKGROUND_PRIORITY=normal`` turns it off (for measuring).
+reason is logged once. ``BAFT_BACKGROUND_PRIORITY`` chooses which threads drop (for
+measuring): ``idle`` (default) the protect worker and the snapshot copy thread,
+``worker`` only the protect worker, ``normal`` none.
 """
 
 from __future__ import annotations
@@ -14,21 +16,24 @@ import threading
 
 log = logging.getLogger("baft")
 ENV = "BAFT_BACKGROUND_PRIORITY"
-"""``idle`` (default) or ``normal``."""
+"""``idle`` (default), ``worker`` or ``normal``."""
+VALUES = ("idle", "worker", "normal")
 _warned = False
 
 
 def background_priority() -> str:
-    """The configured policy of background checkpoint threads: ``idle`` or ``normal``."""
+    """The configured policy of background checkpoint threads (see :data:`ENV`)."""
     value = os.environ.get(ENV, "idle")
-    if value not in ("idle", "normal"):
-        raise ValueError(f"{ENV} must be idle or normal, got {value!r}")
+    if value not in VALUES:
+        raise ValueError(f"{ENV} must be one of {', '.join(VALUES)}, got {value!r}")
     return value
 
 
-def lower_thread_priority() -> bool:
-    """Put the calling thread at ``SCHED_IDLE`` (when configured); True if it took."""
-    if background_priority() != "idle":
+def lower_thread_priority(kind: str = "worker") -> bool:
+    """Put the calling thread (``kind`` ``worker`` or ``copy``) at ``SCHED_IDLE`` when
+    the configuration says so; True if it took."""
+    setting = background_priority()
+    if setting == "normal" or (setting == "worker" and kind != "worker"):
         return False
     return set_thread_idle(threading.get_native_id(), True)
 

@@ -15,9 +15,10 @@ there is exposed time. The thread runs at idle CPU priority (:mod:`baft.engine.p
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from baft.engine.priority import lower_thread_priority, set_thread_idle
 
@@ -51,16 +52,23 @@ class ProtectWorker:
         if self.gated:
             self._gate.clear()
 
-    def drain(self) -> None:
-        """Run everything queued now and wait for it; re-raises a worker failure. The
-        thread runs at normal priority while the caller waits for it (no inversion)."""
-        self._gate.set()
+    @contextlib.contextmanager
+    def boosted(self) -> Iterator[None]:
+        """The caller waits for the worker: it runs at normal priority meanwhile (an
+        idle-priority thread that the training thread waits on is a priority inversion:
+        any runnable thread of another rank starves it)."""
         boosted = self._idle and set_thread_idle(self._native_id, False)
         try:
-            self._queue.join()
+            yield
         finally:
             if boosted:
                 set_thread_idle(self._native_id, True)
+
+    def drain(self) -> None:
+        """Run everything queued now and wait for it; re-raises a worker failure."""
+        self._gate.set()
+        with self.boosted():
+            self._queue.join()
         self.close()
         if self._error is not None:
             err, self._error = self._error, None

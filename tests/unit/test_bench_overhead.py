@@ -204,3 +204,19 @@ def test_fixed_emulated_times_parse_and_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="expected FWD/BWD milliseconds per stage"):
         OverheadConfig(modes=["none"], compute="emulated", emulated_ms="15,29").validate()
     assert OverheadConfig(modes=["none"]).fixed_emulated_times() is None
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 7])
+def test_block_order_balances_which_mode_follows_which(n: int) -> None:
+    from collections import Counter
+
+    from baft.bench.overhead import block_order
+
+    modes = [f"m{i}" for i in range(n)]
+    rounds = [block_order(modes, b) for b in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(r) == modes for r in rounds)
+    pairs = Counter((r[i - 1], r[i]) for r in rounds for i in range(1, n))
+    want = 1 if n % 2 == 0 else 2
+    assert pairs == Counter({(a, b): want for a in modes for b in modes if a != b})
+    assert block_order(modes, len(rounds)) == rounds[0]
+    assert block_order(["a", "b"], 1) == ["b", "a"] and block_order([], 3) == []

@@ -166,3 +166,41 @@ def test_cuda_seam_orders_copies_after_compute_and_leaves_hashing_to_the_reader(
     c.wait(1.0)
     copier.synchronize()
     assert c.done() and torch.equal(dst, src)
+
+
+def _policy(native_id: int) -> int:
+    import os
+
+    return os.sched_getscheduler(native_id)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="Linux scheduling")
+def test_copy_thread_idles_and_runs_at_normal_priority_while_the_step_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DMA engine takes no host CPU: the copy thread playing one is SCHED_IDLE, and at
+    SCHED_OTHER exactly while the training thread waits for it in synchronize()."""
+    import os
+
+    monkeypatch.setenv("BAFT_BACKGROUND_PRIORITY", "idle")
+    copier = ThreadCopy()
+    tid = copier._native_id
+    assert _policy(tid) == os.SCHED_IDLE
+    release, seen = threading.Event(), []
+
+    class Src:
+        def __getitem__(self, key: slice) -> torch.Tensor:
+            release.wait(5.0)
+            seen.append(_policy(tid))  # the policy while the step waits
+            return torch.ones(1, dtype=torch.uint8)
+
+    copier.start([(torch.zeros(1, dtype=torch.uint8), Src())])  # type: ignore[list-item]
+    threading.Timer(0.2, release.set).start()
+    copier.synchronize()
+    assert seen == [os.SCHED_OTHER]
+    assert _policy(tid) == os.SCHED_IDLE
+    copier.shutdown()
+    monkeypatch.setenv("BAFT_BACKGROUND_PRIORITY", "worker")  # the copy thread keeps normal
+    copier = ThreadCopy()
+    assert _policy(copier._native_id) == os.SCHED_OTHER
+    copier.shutdown()
