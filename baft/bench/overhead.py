@@ -25,6 +25,8 @@ from typing import Any
 from baft.bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES, PEER_MODES
 
 RAW_FILE = "overhead-raw.json"
+ENGINE_OPTIONS = ("host_work", "snapshot_copy", "exchange")
+"""CheckpointConfig fields ``--engine`` may set for the engine modes."""
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
 COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
 """Protect components the engine times per version (``CheckpointEngine`` COMPONENTS)."""
@@ -101,6 +103,9 @@ class OverheadConfig:
     ``naive-async`` always use ``full_every=1``)."""
     store_root: str = "/dev/shm/baft"
     """Shared-memory root of the engine modes' snapshot stores."""
+    engine: str = ""
+    """Engine options of the engine modes, ``key=value,...`` over :data:`ENGINE_OPTIONS`
+    (e.g. ``host_work=always,snapshot_copy=thread``: to measure them); empty = defaults."""
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_iters"):
@@ -160,7 +165,22 @@ class OverheadConfig:
         ck.persist_dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
         if self.compute == "emulated":
             ck.snapshot_copy = "thread"  # the host is free while the emulated device computes
+        for key, value in self.engine_options().items():
+            setattr(ck, key, value)
         return ck
+
+    def engine_options(self) -> dict[str, str]:
+        """``engine`` as a dict; ValueError names a malformed or unknown option."""
+        options: dict[str, str] = {}
+        for item in filter(None, (x.strip() for x in self.engine.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ENGINE_OPTIONS:
+                raise ValueError(
+                    f"--engine {self.engine!r}: expected key=value with key one of "
+                    f"{', '.join(ENGINE_OPTIONS)}, got {item!r}"
+                )
+            options[key] = value
+        return options
 
     def train_config(self) -> Any:
         """The TrainConfig every mode trains with."""

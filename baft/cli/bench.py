@@ -59,6 +59,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--emulated-ms", default="", metavar="F/B,...", help="fixed emulated forward/backward ms per stage, e.g. 15.7/29.4,15.2/28.4 (default: calibrate at start-up)")  # fmt: skip
     add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip
     add("--checkpoint", default=d.checkpoint, metavar="SPEC", help="policy of the engine modes naive-async and baft (default %(default)s)")  # fmt: skip
+    add("--engine", default="", metavar="KEY=VALUE,...", help="engine options of the engine modes, to measure them: host_work=bubbles|always|auto, snapshot_copy=auto|thread, exchange=auto|network (default: the defaults)")  # fmt: skip
     add("--store-root", default=d.store_root, help="shared-memory root of the engine stores (default %(default)s)")  # fmt: skip
     add("--seed", type=int, default=d.seed, help="(default %(default)s)")
     add("--out", default=d.out_dir, help="run directory and checkpoint files (default %(default)s)")  # fmt: skip
@@ -96,6 +97,7 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
         ranks_per_node=a.ranks_per_node,
         checkpoint=a.checkpoint,
         store_root=a.store_root,
+        engine=a.engine,
     )
     cfg.validate()
     return cfg
@@ -126,7 +128,8 @@ def command_line(a: argparse.Namespace) -> str:
         ("--switch-iters", a.switch_iters), ("--warmup", a.warmup), ("--modes", a.modes),
         ("--compute", a.compute), ("--emulated-ms", getattr(a, "emulated_ms", "") or None),
         ("--ranks-per-node", a.ranks_per_node),
-        ("--checkpoint", a.checkpoint), ("--seed", a.seed), ("--out", a.out),
+        ("--checkpoint", a.checkpoint), ("--engine", a.engine or None), ("--seed", a.seed),
+        ("--out", a.out),
     ]  # fmt: skip
     words = ["baft", "bench", "overhead"] + [
         w for f, v in flags if v is not None for w in (f, str(v))

@@ -220,3 +220,18 @@ def test_block_order_balances_which_mode_follows_which(n: int) -> None:
     assert pairs == Counter({(a, b): want for a in modes for b in modes if a != b})
     assert block_order(modes, len(rounds)) == rounds[0]
     assert block_order(["a", "b"], 1) == ["b", "a"] and block_order([], 3) == []
+
+
+def test_engine_options_reach_every_engine_mode_and_bad_ones_are_named() -> None:
+    cfg = OverheadConfig(
+        modes=["none", "naive-async", "baft"], engine="host_work=always,snapshot_copy=thread"
+    )
+    cfg.validate()
+    for mode in ("naive-async", "baft-full", "baft"):
+        ck = cfg.engine_checkpoint(mode)
+        assert (ck.host_work, ck.snapshot_copy, ck.exchange) == ("always", "thread", "auto")
+    assert OverheadConfig(modes=["none"]).engine_checkpoint("baft").host_work == "auto"
+    with pytest.raises(ValueError, match="key one of host_work"):
+        OverheadConfig(modes=["none", "baft"], engine="budget_bytes=1").validate()
+    with pytest.raises(ValueError, match="host_work must be"):
+        OverheadConfig(modes=["none", "baft"], engine="host_work=sometimes").validate()
