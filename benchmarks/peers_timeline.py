@@ -157,7 +157,7 @@ def main() -> int:
         worker(a.worker)
         return 0
     from baft.bench.command import _clean
-    from baft.bench.overhead import OverheadConfig
+    from baft.bench.overhead import ALLOCATOR_ENV, OverheadConfig
     from baft.train.launch import launch_env
 
     modes = [m for m in a.modes.split(",") if m]
@@ -175,7 +175,10 @@ def main() -> int:
     start = time.time()
     _clean(bcfg)
     try:
-        rc = subprocess.run(cmd, env=launch_env(), check=False).returncode
+        env = launch_env()
+        for key, value in ALLOCATOR_ENV.items():  # as baft bench overhead runs every mode
+            env.setdefault(key, value)
+        rc = subprocess.run(cmd, env=env, check=False).returncode
     finally:
         _clean(bcfg)
     if rc != 0:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from baft.bench.overhead import (
+    ALLOCATOR_ENV,
     ENGINE_MODES,
     RAW_FILE,
     OverheadConfig,
@@ -99,6 +100,8 @@ def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
     ]
     env = launch_env()
     env.setdefault("BAFT_HANG_DUMP_S", str(int(timeout_s)))
+    for key, value in ALLOCATOR_ENV.items():  # every mode pays the same for its memory
+        env.setdefault(key, value)
     try:
         # fd 2: worker output goes to stderr, so stdout carries only the result
         rc = subprocess.run(cmd, env=env, stdout=2, timeout=timeout_s).returncode
@@ -130,6 +133,13 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         f"1-min load average {mach.get('load_before', '?')} before, "
         f"{mach.get('load_after', '?')} after (other jobs share the machine)",
         f"- command: `{command}`",
+        *(
+            [
+                f"- allocator (every mode): glibc with {', '.join(f'{k}={v}' for k, v in mach['malloc'].items())} (no freed memory handed back to the kernel and faulted in again)"
+            ]  # fmt: skip
+            if mach.get("malloc")
+            else []
+        ),
         f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
         f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
         f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
@@ -200,7 +210,7 @@ def _component_lines(result: dict[str, Any]) -> list[str]:
     rows = []
     for name, m in result["modes"].items():
         per = m.get("per_rank") or {}
-        if name == "none" or not per.get("cpu_s"):
+        if not per.get("cpu_s"):
             continue
         for rank in range(len(per["cpu_s"])):
             cells = [
@@ -211,6 +221,7 @@ def _component_lines(result: dict[str, Any]) -> list[str]:
                     *((f"{c}_s", 1e3) for c in COMPONENTS),
                     ("pull_bytes", 2**-20),
                     ("net_bytes", 2**-20),
+                    ("faults", 1e-3),
                 ]
             ]
             rows.append(f"| {name} | {rank} | " + " | ".join(cells) + " |")
@@ -221,12 +232,12 @@ def _component_lines(result: dict[str, Any]) -> list[str]:
         "the CPU the mode adds over `none` (every thread of the rank's process), protect "
         "seconds by component (wall seconds on the thread doing it; `copy` includes hashing "
         "where the copier hashes on the way) and redundancy MiB taken in per path "
-        "(same-host store pull vs network).",
+        "(same-host store pull vs network), and the process's minor page faults (thousands).",
         "",
         "| mode | rank | blocked ms | added CPU ms | "
         + " | ".join(f"{c} ms" for c in COMPONENTS)
-        + " | pulled MiB | network MiB |",
-        "|---|---|---|---|" + "---|" * len(COMPONENTS) + "---|---|",
+        + " | pulled MiB | network MiB | page faults (k) |",
+        "|---|---|---|---|" + "---|" * len(COMPONENTS) + "---|---|---|",
         *rows,
         "",
     ]
@@ -327,4 +338,5 @@ def measure_overhead(
     machine = machine_info()
     machine["load_before"] = round(load_before, 2)
     machine["load_after"] = round(os.getloadavg()[0], 2)
+    machine["malloc"] = {k: os.environ.get(k, v) for k, v in ALLOCATOR_ENV.items()}
     return summarize(raw, machine), raw

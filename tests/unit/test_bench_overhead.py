@@ -174,7 +174,10 @@ def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
     raw["modes"]["baft"]["copy_s"] = [[0.007, 0.008]] * iters
     raw["modes"]["baft"]["pull_bytes"] = [[2.0 * 2**20, 3.0 * 2**20]] * iters
     raw["modes"]["baft"]["net_bytes"] = [[0.0, 0.0]] * iters
-    result = summarize(raw)
+    raw["modes"]["none"]["faults"] = [[12000.0, 16500.0]] * iters
+    raw["modes"]["baft"]["faults"] = [[3000.0, 0.0]] * iters
+    result = summarize(raw, {"malloc": {"MALLOC_TRIM_THRESHOLD_": "7"}})
+    assert result["modes"]["none"]["per_rank"]["faults"] == [12000.0, 16500.0]
     per = result["modes"]["baft"]["per_rank"]
     assert per["protect_cpu_s"] == pytest.approx([0.03, 0.06])
     assert per["copy_s"] == [0.007, 0.008]
@@ -185,7 +188,9 @@ def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
     assert header in page
     assert "| baft | 0 | 50.0 | 30.0 | 7.0 |" in page
     assert page.count("| baft | 1 | 40.0 | 60.0 | 8.0 |") == 1
-    assert "| 3.0 | 0.0 |" in page  # rank 1 pulled 3 MiB, nothing over the network
+    assert "| 3.0 | 0.0 | 0.0 |" in page  # rank 1 pulled 3 MiB, none over the network, 0 faults
+    assert "| none | 1 | - | 0.0 |" in page and page.count("| 16.5 |") == 1  # none's faults (k)
+    assert "glibc with MALLOC_TRIM_THRESHOLD_=7" in page
 
 
 def test_bench_components_match_the_engine() -> None:
