@@ -119,6 +119,18 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def _allocator_lines(mach: dict[str, Any]) -> list[str]:
+    """The page line naming the malloc settings every mode ran with (when recorded)."""
+    malloc = mach.get("malloc") or {}
+    if not malloc:
+        return []
+    settings = ", ".join(f"{k}={v}" for k, v in malloc.items())
+    return [
+        f"- allocator (every mode): glibc with {settings} (no freed memory handed back to "
+        "the kernel and faulted in again)"
+    ]
+
+
 def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: str | None) -> str:
     """The results page: date, machine, command, table of raw numbers and ratios, plot."""
     emulated = result["compute"] == "emulated"
@@ -133,13 +145,7 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         f"1-min load average {mach.get('load_before', '?')} before, "
         f"{mach.get('load_after', '?')} after (other jobs share the machine)",
         f"- command: `{command}`",
-        *(
-            [
-                f"- allocator (every mode): glibc with {', '.join(f'{k}={v}' for k, v in mach['malloc'].items())} (no freed memory handed back to the kernel and faulted in again)"
-            ]  # fmt: skip
-            if mach.get("malloc")
-            else []
-        ),
+        *_allocator_lines(mach),
         f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
         f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
         f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
