@@ -300,6 +300,12 @@ class CheckpointEngine:
             self.votes.adopt(None)
             self.first_version = None
         self.k = k
+        if k == 1 and self.records is not None:
+            # Full snapshots every version: no payload carries a record, and holding the
+            # last step's gradients would keep a second gradient set alive (device memory
+            # on an accelerator) and encode the hyperparameters every step, for nothing.
+            # A re-plan keeps k, so the record is never needed again in this run.
+            self.records = None
         if k > 1:
             payload = PayloadLayout.of(self.flat.specs(), k)
             self.payload = PayloadViews(payload, self.state.named_tensors())
@@ -349,14 +355,14 @@ class CheckpointEngine:
     ) -> int:
         """full_every of this plan: the policy's, or with ``auto`` the largest any rank's
         bubbles need (the same on every rank: a function of the shared plan inputs)."""
+        if self.plan is not None:  # a re-plan keeps k: a new rotation would open a gap
+            return self.k
         if self.records is None:
             self._k_reason = "full_every=1"
             return 1
         if self._rotation_k is not None:  # the restored rotation goes on
             self._k_reason = f"full_every={self._rotation_k} (the restored rotation's)"
             return self._rotation_k
-        if self.plan is not None:  # a re-plan keeps k: a new rotation would open a gap
-            return self.k
         if self.policy.full_every >= 1:
             self._k_reason = f"full_every={self.policy.full_every} (configured)"
             return self.policy.full_every

@@ -77,7 +77,7 @@ class _Model:
         )
 
 
-def _build(tmp: Path, full_every: int) -> tuple[list[CheckpointEngine], list[_Model]]:
+def _build(tmp: Path, full_every: int | str) -> tuple[list[CheckpointEngine], list[_Model]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy=replicate:1,persist=0,full_every={full_every}")
     ck.store_root, ck.job_id, ck.timeout_s, ck.profile_iters = str(tmp / "shm"), "job", 5.0, 1
@@ -175,4 +175,21 @@ def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
                 e.payload.layout, {u: p for u, p in payloads.items() if u != 7 - k + 1}, 7, 0,  # type: ignore[union-attr]
                 dict(fresh.named_tensors()), fresh.optimizer, fresh.named_params(),
             )  # fmt: skip
+        store.close()
+
+
+def test_auto_choosing_full_snapshots_holds_no_gradient_record(tmp_path: Path) -> None:
+    """When the bubbles hold the whole state, full_every=auto picks 1: no payload carries
+    a record, so the engine must not keep the last step's gradients alive (a second
+    gradient set, device memory on an accelerator) or encode hyperparameters per step."""
+    engines, models = _build(tmp_path, "auto")
+    states = _train(engines, models, 3)
+    for r, e in enumerate(engines):
+        assert e._k_reason.startswith("auto, rank")  # chosen by the bubbles, not configured
+        assert e.k == 1 and e.payload is None and e.records is None
+        store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
+        inv = store.inventory(verify=True)
+        assert inv.committed == 2
+        newest = next(x for x in inv.versions if x.version == 2)
+        assert store.read(newest.slot, "data").tobytes() == states[r][2]  # a full snapshot
         store.close()
