@@ -156,9 +156,8 @@ def main() -> int:
     if a.worker:
         worker(a.worker)
         return 0
-    from baft.bench.command import _clean
-    from baft.bench.overhead import ALLOCATOR_ENV, OverheadConfig
-    from baft.train.launch import launch_env
+    from baft.bench.command import _clean, bench_env
+    from baft.bench.overhead import OverheadConfig
 
     modes = [m for m in a.modes.split(",") if m]
     bcfg = OverheadConfig(modes=modes, compute=a.compute, out_dir=a.out, emulated_ms=a.emulated_ms)
@@ -175,10 +174,7 @@ def main() -> int:
     start = time.time()
     _clean(bcfg)
     try:
-        env = launch_env()
-        for key, value in ALLOCATOR_ENV.items():  # as baft bench overhead runs every mode
-            env.setdefault(key, value)
-        rc = subprocess.run(cmd, env=env, check=False).returncode
+        rc = subprocess.run(cmd, env=bench_env(), check=False).returncode
     finally:
         _clean(bcfg)
     if rc != 0:

@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from baft.bench.aggregate import COMPONENTS, summarize
 from baft.bench.overhead import (
     ALLOCATOR_ENV,
     ENGINE_MODES,
     RAW_FILE,
     OverheadConfig,
     engine_job_id,
-    summarize,
 )
 
 
@@ -76,10 +76,16 @@ def _clean(cfg: OverheadConfig) -> None:
         clean_dlrover(dlrover_run_id(cfg.out_dir))
 
 
-def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
-    """Run the workers under torchrun; their output goes to stderr. Returns the raw JSON."""
+def bench_env() -> dict[str, str]:
+    """The environment of a benchmark's workers: torchrun's, plus :data:`ALLOCATOR_ENV`
+    (every mode pays the same for its memory; a value already set wins)."""
     from baft.train.launch import launch_env
 
+    return {**ALLOCATOR_ENV, **launch_env()}
+
+
+def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
+    """Run the workers under torchrun; their output goes to stderr. Returns the raw JSON."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / RAW_FILE).unlink(missing_ok=True)
@@ -98,10 +104,8 @@ def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
         "baft.bench.overhead",
         str(cfg_path),
     ]
-    env = launch_env()
+    env = bench_env()
     env.setdefault("BAFT_HANG_DUMP_S", str(int(timeout_s)))
-    for key, value in ALLOCATOR_ENV.items():  # every mode pays the same for its memory
-        env.setdefault(key, value)
     try:
         # fd 2: worker output goes to stderr, so stdout carries only the result
         rc = subprocess.run(cmd, env=env, stdout=2, timeout=timeout_s).returncode
@@ -211,8 +215,6 @@ def _rank_value(per: dict[str, Any], field: str, rank: int, scale: float) -> str
 
 def _component_lines(result: dict[str, Any]) -> list[str]:
     """Per rank and iteration: where protect time goes, next to the idle time offered."""
-    from baft.bench.overhead import COMPONENTS
-
     rows = []
     for name, m in result["modes"].items():
         per = m.get("per_rank") or {}
@@ -344,5 +346,6 @@ def measure_overhead(
     machine = machine_info()
     machine["load_before"] = round(load_before, 2)
     machine["load_after"] = round(os.getloadavg()[0], 2)
-    machine["malloc"] = {k: os.environ.get(k, v) for k, v in ALLOCATOR_ENV.items()}
+    env = bench_env()
+    machine["malloc"] = {k: env[k] for k in ALLOCATOR_ENV}
     return summarize(raw, machine), raw

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from baft.engine.priority import lower_thread_priority, set_thread_idle
+from baft.engine.priority import lower_thread_priority, raised
 
 HASH_BLOCK_BYTES = 512 << 10
 """Copy-and-hash granularity: a block is hashed right after it is copied, while it is
@@ -154,14 +154,8 @@ class ThreadCopy:
         return c
 
     def synchronize(self) -> None:
-        boosted = False
-        if self._idle and self._queue.unfinished_tasks:
-            boosted = set_thread_idle(self._native_id, False)
-        try:
+        with raised(self._native_id, self._idle and self._queue.unfinished_tasks > 0):
             self._queue.join()
-        finally:
-            if boosted:
-                set_thread_idle(self._native_id, True)
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("snapshot copy failed") from err

@@ -10,9 +10,11 @@ measuring): ``idle`` (default) the protect worker and the snapshot copy thread,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 
 log = logging.getLogger("baft")
 ENV = "BAFT_BACKGROUND_PRIORITY"
@@ -58,3 +60,15 @@ def set_thread_idle(native_id: int, idle: bool) -> bool:
             log.info("background checkpoint threads keep normal priority: %s", err)
         return False
     return True
+
+
+@contextlib.contextmanager
+def raised(native_id: int, idle: bool) -> Iterator[None]:
+    """While the caller waits for an idle-priority thread (``idle`` True), run that
+    thread at normal priority, then put it back (see :func:`set_thread_idle`)."""
+    boosted = idle and set_thread_idle(native_id, False)
+    try:
+        yield
+    finally:
+        if boosted:
+            set_thread_idle(native_id, True)

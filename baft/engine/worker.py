@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from baft.engine.priority import lower_thread_priority, set_thread_idle
+from baft.engine.priority import lower_thread_priority, raised
 
 
 class ProtectWorker:
@@ -52,17 +52,11 @@ class ProtectWorker:
         if self.gated:
             self._gate.clear()
 
-    @contextlib.contextmanager
-    def boosted(self) -> Iterator[None]:
+    def boosted(self) -> contextlib.AbstractContextManager[None]:
         """The caller waits for the worker: it runs at normal priority meanwhile (an
         idle-priority thread that the training thread waits on is a priority inversion:
         any runnable thread of another rank starves it)."""
-        boosted = self._idle and set_thread_idle(self._native_id, False)
-        try:
-            yield
-        finally:
-            if boosted:
-                set_thread_idle(self._native_id, True)
+        return raised(self._native_id, self._idle)
 
     def drain(self) -> None:
         """Run everything queued now and wait for it; re-raises a worker failure."""

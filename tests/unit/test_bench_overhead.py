@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from baft.bench.aggregate import summarize, summarize_mode
 from baft.bench.command import render_markdown
-from baft.bench.overhead import OverheadConfig, summarize, summarize_mode
+from baft.bench.overhead import OverheadConfig
 from baft.cli.bench import add_bench_parser, command_line, config_from_args, run_bench
 
 
@@ -164,7 +165,7 @@ def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
 
 def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
     """Per rank: blocked time, CPU over `none`, component seconds and bytes per path."""
-    from baft.bench.overhead import COMPONENTS
+    from baft.bench.aggregate import COMPONENTS
 
     raw = _raw()
     iters = 3
@@ -194,7 +195,7 @@ def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
 
 
 def test_bench_components_match_the_engine() -> None:
-    from baft.bench.overhead import COMPONENTS
+    from baft.bench.aggregate import COMPONENTS
     from baft.engine.engine import COMPONENTS as ENGINE_COMPONENTS
 
     assert COMPONENTS == ENGINE_COMPONENTS
@@ -215,7 +216,7 @@ def test_fixed_emulated_times_parse_and_reject_bad_input() -> None:
 def test_block_order_balances_which_mode_follows_which(n: int) -> None:
     from collections import Counter
 
-    from baft.bench.overhead import block_order
+    from baft.bench.aggregate import block_order
 
     modes = [f"m{i}" for i in range(n)]
     rounds = [block_order(modes, b) for b in range(n if n % 2 == 0 else 2 * n)]

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import baft.bench.peers as peers
+from baft.bench.aggregate import summarize
 from baft.bench.command import render_markdown
-from baft.bench.overhead import ALL_MODES, OverheadConfig, summarize
+from baft.bench.overhead import ALL_MODES, OverheadConfig
 from baft.cli.bench import add_bench_parser, config_from_args
 
 
