@@ -211,11 +211,16 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
+def _is_stopped(pid: int, start: str) -> bool:
+    """``pid`` is still the process that started at ``start``, and it is stopped."""
+    return bool(start) and _start_time(pid) == start and _proc_state(pid) in ("T", "t")
+
+
 def _kill_if_stopped(pid: int, start: str) -> bool:
     """SIGKILL ``pid`` if it is still the process that started at ``start`` and it is
     stopped. A stopped process leaves a pending SIGTERM pending, so torchrun would wait
     its 30 s grace for it; a running one (even a hung one) dies of torchrun's SIGTERM."""
-    if not start or _start_time(pid) != start or _proc_state(pid) not in ("T", "t"):
+    if not _is_stopped(pid, start):
         return False
     try:
         os.kill(pid, signal.SIGKILL)
@@ -295,6 +300,7 @@ class Watchdog:
         self._store_ok_at = self._started
         self._seen: dict[int, tuple[bytes, float, dict[str, Any]]] = {}
         self._threads: list[threading.Thread] = []
+        self._chained_hook = sys.excepthook
 
     @classmethod
     def from_env(
@@ -327,7 +333,21 @@ class Watchdog:
             t = threading.Thread(target=target, name=f"baft-watchdog-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self._chained_hook = sys.excepthook
+        sys.excepthook = self._excepthook
         return self
+
+    def _excepthook(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        """An exception ends the process outside any section (a collective of the
+        user's loop between steps, a metrics all-reduce, that timed out on a frozen
+        peer): the same as in a section, so the hang is recorded and the frozen process
+        killed rather than left to torchrun's 30 s grace. Then the previous hook."""
+        try:
+            # not twice: an error leaving a section was dealt with on its way out
+            if self.verdict is None and not self._done and isinstance(error, Exception):
+                self.after_error(error)
+        finally:
+            self._chained_hook(kind, error, tb)
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -383,6 +403,8 @@ class Watchdog:
             time.sleep(self.beat_s / 20)
         self._stop.set()
         self._wake.set()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._chained_hook
         for t in self._threads:
             t.join(timeout=2 * self.beat_s + 2.0)
         self._threads = []
@@ -480,18 +502,18 @@ class Watchdog:
             reason,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        killed = []
         with self._lock:
             seen = dict(self._seen)
+        frozen: dict[int, tuple[int, str]] = {}  # rank -> (pid, start) of a stopped process here
         for r in kill:
             info = seen.get(r, (b"", 0.0, {}))[2]
             if info.get("host") == self.hostname and info.get("pid"):
-                if _kill_if_stopped(int(info["pid"]), str(info.get("start") or "")):
-                    killed.append(r)
-        if killed:
-            _log.error(
-                "baft watchdog (rank %d): killed frozen rank(s) %s on this host", self.rank, killed
-            )
+                pid, start = int(info["pid"]), str(info.get("start") or "")
+                if _is_stopped(pid, start):
+                    frozen[r] = (pid, start)
+        # The record goes to disk before the kill: once a worker dies torchrun tears the
+        # group down within its monitor interval (0.1 s), and its SIGTERM would end this
+        # process in the middle of a slow fsync, leaving the restart nobody to blame.
         last_seen = now_wall - verdict.silent_s
         append_hang(
             self.run_dir,
@@ -504,11 +526,16 @@ class Watchdog:
                 "suspect": verdict.rank,
                 "section": verdict.section,
                 "silent_s": round(verdict.silent_s, 3),
-                "killed": killed,
+                "killed": sorted(frozen),
                 "reason": reason,
                 "monotonic": now,
             },
         )
+        killed = [r for r, (pid, start) in frozen.items() if _kill_if_stopped(pid, start)]
+        if killed:
+            _log.error(
+                "baft watchdog (rank %d): killed frozen rank(s) %s on this host", self.rank, killed
+            )
 
     def _leave(self) -> None:
         if not self.exit_process:

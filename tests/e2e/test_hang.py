@@ -148,11 +148,20 @@ def _run_and_freeze(cfg: TrainConfig, rank: int, at_iteration: int, delay_s: flo
     }
 
 
+def _explain(got: dict) -> None:
+    """Shown with a failure (pytest prints a failed test's output in full)."""
+    print("recoveries:", json.dumps(got["summary"]["recoveries"], indent=1))
+    print("hangs:", json.dumps(got["hangs"], indent=1))
+    print(got["log"])
+
+
 def _check_recovered(got: dict, reference: dict) -> dict:
     """Bit-identical to the reference, one recovery from memory losing <= 1 iteration."""
     assert [m["loss"] for m in got["metrics"]] == [m["loss"] for m in reference["metrics"]]
     assert [m["iteration"] for m in got["metrics"]] == list(range(ITERATIONS))
     assert got["summary"]["final_state_digest"] == reference["summary"]["final_state_digest"]
+    if len(got["summary"]["recoveries"]) != 1:
+        _explain(got)
     (rec,) = got["summary"]["recoveries"]
     assert rec["source"] == "memory", rec
     assert rec["lost_iterations"] <= 1, rec
@@ -161,6 +170,9 @@ def _check_recovered(got: dict, reference: dict) -> dict:
 
 def _check_freeze(got: dict, reference: dict, rank: int) -> dict:
     rec = _check_recovered(got, reference)
+    if "hang" not in rec:
+        _explain(got)
+    assert "hang" in rec
     assert rec["hang"]["suspect"] == rank, rec
     assert rec["hang"]["kind"] == ("store" if rank == 0 else "peer"), rec
     first = got["hangs"][0]

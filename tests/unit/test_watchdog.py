@@ -180,6 +180,45 @@ def test_error_in_a_section_kills_nobody_when_peers_beat(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(60)
+def test_an_error_outside_any_section_is_dealt_with_on_its_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collective between steps (the trainer's metrics all-reduce, one in a user's
+    loop) times out on a frozen peer: the exception ending the process reaches the
+    watchdog through sys.excepthook, which records the hang once and hands the error on
+    to the previous hook; stop() puts that hook back."""
+    printed: list[BaseException] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, err, tb: printed.append(err))
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dog = Watchdog(
+        rank=0,
+        world_size=2,
+        timeout_s=5.0,
+        run_dir=tmp_path,
+        host="127.0.0.1",
+        port=port,
+        exit_process=False,
+    ).start()
+    try:
+        with dog._lock:  # peer 1 silent for 2 s: past 3 beats, not yet the 5 s timeout
+            dog._seen[1] = (b"x", time.monotonic() - 2.0, {"section": "iteration 7"})
+        err = RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+        sys.excepthook(RuntimeError, err, None)
+        sys.excepthook(RuntimeError, err, None)  # again: no second record
+        assert printed == [err, err]
+        assert dog.verdict is not None and dog.verdict[0].rank == 1
+        (rec,) = wdm.read_hangs(tmp_path)
+        assert (rec["kind"], rec["suspect"], rec["section"]) == ("peer", 1, "iteration 7")
+        assert rec["reason"].startswith("RuntimeError while rank 1 has been silent for 2.")
+    finally:
+        dog.stop()
+        del master
+    sys.excepthook(ValueError, ValueError("after stop"), None)
+    assert [str(e) for e in printed[2:]] == ["after stop"] and len(wdm.read_hangs(tmp_path)) == 1
+
+
+@pytest.mark.timeout(60)
 def test_a_finished_rank_is_not_a_hang(tmp_path: Path) -> None:
     """stop() publishes done=True before its threads end (and joins them): the peer never
     declares the finished rank, however long it keeps running."""
