@@ -19,6 +19,7 @@ Everything else in the engine works on host bytes and never asks where the model
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ import torch
 import xxhash
 
 from baft.engine.priority import lower_thread_priority, raised
+
+_log = logging.getLogger("baft")
 
 HASH_BLOCK_BYTES = 512 << 10
 """Copy-and-hash granularity: a block is hashed right after it is copied, while it is
@@ -217,10 +220,43 @@ class CudaCopy:
         self.synchronize()
 
 
-def pin_host_buffer(t: torch.Tensor) -> None:
-    """Register a shared-memory host buffer with CUDA (no-op on CPU-only machines)."""
-    if torch.cuda.is_available() and t.numel():
-        torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+class HostPins:
+    """Host buffers page-locked for CUDA (``cudaHostRegister``), so that device copies
+    into them are DMA the host never waits for. Memory that goes away (a store's slots
+    re-allocated or closed) must be unregistered first, else its pages stay locked for
+    the life of the CUDA context: :meth:`release` before the store unmaps.
+
+    Own code rather than ``pin_memory=True`` because the store's slots are shared-memory
+    files that outlive the process (torch pins only memory it allocates itself)."""
+
+    def __init__(self) -> None:
+        self._ptrs: list[int] = []
+
+    def pin(self, t: torch.Tensor) -> bool:
+        """Page-lock ``t``'s memory (no-op without CUDA); False, with a warning, where
+        CUDA refuses (copies into it then block the host for their duration)."""
+        if not torch.cuda.is_available() or not t.numel():
+            return False
+        n = t.numel() * t.element_size()
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0)
+        if int(rc) != 0:
+            _log.warning(
+                "cudaHostRegister of %d B failed (error %s): snapshot copies into this "
+                "buffer are not asynchronous",
+                n,
+                rc,
+            )
+            return False
+        self._ptrs.append(t.data_ptr())
+        return True
+
+    def release(self) -> None:
+        """Unregister every buffer pinned here (before their memory is unmapped)."""
+        while self._ptrs:
+            ptr = self._ptrs.pop()
+            rc = torch.cuda.cudart().cudaHostUnregister(ptr)
+            if int(rc) != 0:
+                _log.warning("cudaHostUnregister failed (error %s)", rc)
 
 
 def device_copy_for(device: torch.device, *, emulated: bool = False) -> DeviceCopy:
@@ -236,8 +272,8 @@ __all__ = [
     "CudaCopy",
     "DeviceCopy",
     "HostCopy",
+    "HostPins",
     "ThreadCopy",
     "copy_hash",
     "device_copy_for",
-    "pin_host_buffer",
 ]

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from baft.config import CheckpointConfig
-from baft.engine.device import ChunkCopy, DeviceCopy, pin_host_buffer
+from baft.engine.device import ChunkCopy, DeviceCopy, HostPins
 from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.flat import FlatState, Piece
 from baft.engine.persister import Persister, persist_name
@@ -150,6 +150,8 @@ class CheckpointEngine:
         self.transport = parts.transport
         self.copier = parts.copier
         self.spill_copier = parts.spill_copier
+        self._pins = HostPins()
+        """Store slots page-locked for CUDA copies, unregistered before they go."""
         self.worker = parts.worker
         self.peers = parts.peers
         self.injector = parts.injector
@@ -392,10 +394,12 @@ class CheckpointEngine:
 
     def _allocate(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
         """(Re)create the store's slots; on CUDA pin them so device copies are DMA."""
+        self.copier.synchronize()  # no copy may still land in a slot that goes away
+        self._pins.release()
         self.store.allocate(data_nbytes, red_nbytes, num_slots)
         if self.device.type == "cuda":
             for slot in range(num_slots):
-                pin_host_buffer(torch.from_numpy(self.store.data_view(slot)))
+                self._pins.pin(torch.from_numpy(self.store.data_view(slot)))
 
     # ------------------------------------------------------------------ hooks
     def apply_rng(self) -> None:
@@ -758,6 +762,7 @@ class CheckpointEngine:
             peer.close()
         self._resolve_commit()
         self.persists.shutdown()
+        self._pins.release()
         self.store.close()
         if self.termination is not None:
             self.termination.uninstall()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from baft.engine.device import DeviceCopy, pin_host_buffer
+from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState
 from baft.engine.persister import Persister, persist_name
 
@@ -64,9 +64,10 @@ class LiveCopy:
         """Start copying ``named`` (done by the copier's next ``synchronize``)."""
         flat = FlatState(named)
         if self._buf is None or self._buf.numel() != flat.nbytes:
-            self._buf = torch.empty(flat.nbytes, dtype=torch.uint8)
-            if self.device.type == "cuda":
-                pin_host_buffer(self._buf)
+            # torch's own pinned allocator: freed (and unregistered) with the tensor
+            self._buf = torch.empty(
+                flat.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+            )
         buf = self._buf
         copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
         self.views = {

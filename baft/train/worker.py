@@ -66,6 +66,12 @@ def _truncate_metrics(path: Path, resume: int) -> list[float]:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg`` on this process's rank; returns the summary (on every rank)."""
     torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        # A bit-identical trajectory after a restart needs deterministic kernels: a
+        # fixed cuBLAS workspace (set before the first cuBLAS handle) and no atomics in
+        # backward passes. warn_only: an op without a deterministic kernel says so.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     timeout_s = cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0
     mesh = init_mesh(cfg.parallel, timeout_s=timeout_s)
     trainer = Trainer(cfg, mesh)  # builds the model and protects it through baft.protect

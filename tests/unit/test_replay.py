@@ -26,6 +26,16 @@ from baft.plan.rotation import TensorGroup, assign_slices, base_version
 N_STEPS = 7
 K = 3
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CPU_ONLY = {"adagrad-fused"}
+"""Cases torch has no kernel for on CUDA (Adagrad's fused step is CPU-only; seen on an
+H200 with torch 2.11)."""
+
+
+def _skip_unsupported(case: str, device: str) -> None:
+    if device == "cuda" and case in CPU_ONLY:
+        pytest.skip(f"{case}: torch has no CUDA kernel for it")
+
+
 """CUDA runs the foreach/fused multi-tensor kernels, where the subset property matters most."""
 Factory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -240,6 +250,7 @@ def _assert_same(run_model: Net, run_opt: torch.optim.Optimizer, copies: dict, m
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replay_from_rotating_copies_is_bit_exact(case: str, device: str) -> None:
+    _skip_unsupported(case, device)
     factory = CASES[case]
     parity = 0 if case in LATE_FIRST_GRAD_BREAKS else 1
     run = Run(factory, parity, device=device)
@@ -291,6 +302,7 @@ def test_stepping_a_subset_equals_stepping_all_per_tensor(
 ) -> None:
     """The property replay rests on: a param's step does not depend on which other params
     are stepped with it (foreach/fused kernels included), and a skipped param is untouched."""
+    _skip_unsupported(case, device)
     model, opt = _train_state(CASES[case], steps_before, device)
     all_model, all_opt = copy.deepcopy((model, opt))
     sub_model, sub_opt = copy.deepcopy((model, opt))
