@@ -62,9 +62,11 @@ step large-none 120 train large-none $LARGE --no-checkpoint
 step large-full 120 train large-full $LARGE --checkpoint $FULL
 step large-diff 120 train large-diff $LARGE --checkpoint $DIFF
 step summary 30 $PY benchmarks/cuda_summary.py "$OUT"
-(cd "$OUT" && tar czf runs.tgz ./*/metrics.jsonl ./*/timeline ./*/summary.json 2>/dev/null)
-step unit 240 $PY -m pytest -q -p no:cacheprovider tests/unit/test_device_copy.py \
-    tests/unit/test_replay.py tests/unit/test_watchdog.py
+(cd "$OUT" && tar czf runs.tgz ./*/metrics.jsonl ./*/timeline ./*/summary.json ./large-none/logs 2>/dev/null)
+if [ "${UNIT:-1}" = 1 ]; then  # UNIT=0 leaves them out
+    step unit 240 $PY -m pytest -q -p no:cacheprovider tests/unit/test_device_copy.py \
+        tests/unit/test_replay.py tests/unit/test_watchdog.py
+fi
 rm -rf "$STORES"-*
 echo "=== $failed step(s) failed"
 exit $failed

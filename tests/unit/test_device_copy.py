@@ -4,6 +4,7 @@ way to the digest a separate pass would give; the thread copier only starts copi
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -109,7 +110,9 @@ def test_device_copy_for_picks_the_seam() -> None:
 
 class _FakeCuda:
     """Just enough of torch.cuda for CudaCopy's logic on a CPU-only machine: streams are
-    no-ops, an event is complete once recorded."""
+    no-ops, an event completes when the test lets the copies "land" (``landed``)."""
+
+    landed = threading.Event()
 
     class Stream:
         def __init__(self, device: object = None) -> None:
@@ -117,6 +120,9 @@ class _FakeCuda:
 
         def wait_stream(self, other: object) -> None:
             self.waited.append(other)
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
 
     class Event:
         def __init__(self) -> None:
@@ -127,13 +133,15 @@ class _FakeCuda:
 
         def synchronize(self) -> None:
             assert self.recorded
+            assert _FakeCuda.landed.wait(10.0)
 
         def query(self) -> bool:
-            return self.recorded
+            return self.recorded and _FakeCuda.landed.is_set()
 
     def __init__(self) -> None:
         self.current = object()
         self.entered: list[object] = []
+        _FakeCuda.landed = threading.Event()
 
     def current_stream(self, device: object = None) -> object:
         return self.current
@@ -145,27 +153,81 @@ class _FakeCuda:
         return contextlib.nullcontext()
 
 
-def test_cuda_seam_orders_copies_after_compute_and_leaves_hashing_to_the_reader(
+def test_cuda_seam_orders_copies_after_compute_and_hashes_each_chunk_after_its_event(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The CUDA copier without a GPU (torch.cuda faked): copies are issued on the side
-    stream after it waited for the compute stream, start() returns a background handle
-    whose checksum is None (the engine hashes on the host after the event), bytes land."""
+    stream after it waited for the compute stream; start() returns at once, a chunk is
+    hashed on the hash threads only once its event completed, and its checksum is the
+    xxh3 of the chunk's bytes in order (several pieces), as the restore verifies it."""
     import baft.engine.device as device
 
     fake = _FakeCuda()
     monkeypatch.setattr(device.torch, "cuda", fake)
-    copier = device.device_copy_for(torch.device("cuda", 0))
-    assert isinstance(copier, device.CudaCopy) and copier.asynchronous
-    src = torch.arange(64, dtype=torch.uint8)
-    dst = torch.zeros(64, dtype=torch.uint8)
-    c = copier.start([(dst, src)])
-    assert copier.stream.waited == [fake.current]  # ordered after compute
-    assert fake.entered == [copier.stream]  # issued on the side stream
-    assert c.background and c.checksum is None
-    c.wait(1.0)
+    copier = device.CudaCopy(torch.device("cuda", 0), threads=3)
+    assert copier.asynchronous
+    srcs = [torch.arange(i, i + 40, dtype=torch.uint8) for i in range(6)]
+    outs = [torch.zeros(80, dtype=torch.uint8) for _ in range(3)]
+    chunks = [
+        copier.start([(out[:40], srcs[2 * j]), (out[40:], srcs[2 * j + 1])])
+        for j, out in enumerate(outs)
+    ]
+    assert copier.stream.waited == [fake.current] * 3  # each ordered after compute
+    assert fake.entered == [copier.stream] * 3  # issued on the side stream
+    time.sleep(0.05)
+    assert not any(c.done() for c in chunks) and all(c.checksum is None for c in chunks)
+    _FakeCuda.landed.set()
+    for c, out in zip(chunks, outs, strict=True):
+        c.wait(5.0)
+        assert c.background and c.checksum == checksum(out.numpy()) and c.hash_seconds >= 0
     copier.synchronize()
-    assert c.done() and torch.equal(dst, src)
+    assert all(torch.equal(out, torch.cat(srcs[2 * j : 2 * j + 2])) for j, out in enumerate(outs))
+    apart = [torch.zeros(40, dtype=torch.uint8) for _ in range(2)]  # not back to back
+    c = copier.start([(apart[0], srcs[0]), (apart[1], srcs[1])])
+    c.wait(5.0)
+    assert c.checksum == checksum(torch.cat(srcs[:2]).numpy())
+    copier.shutdown()
+
+
+def test_cuda_copies_issued_after_mark_wait_for_the_marked_point_from_any_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's issuer thread starts copies after the training thread's ``mark``:
+    they wait for the event recorded on the training stream then, not for the issuing
+    thread's own stream; ``synchronize`` (the deadline) ends the mark."""
+    import baft.engine.device as device
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(device.torch, "cuda", fake)
+    copier = device.CudaCopy(torch.device("cuda", 0), threads=1)
+    _FakeCuda.landed.set()
+    copier.mark()
+    marked = copier._after
+    assert isinstance(marked, _FakeCuda.Event) and marked.recorded
+    src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    issuer = threading.Thread(target=lambda: copier.start([(dst, src)]).wait(5.0))
+    issuer.start()
+    issuer.join(5.0)
+    assert copier.stream.waited == [marked] and torch.equal(dst, src)
+    copier.synchronize()
+    copier.start([(dst, src)]).wait(5.0)
+    assert copier.stream.waited == [marked, fake.current]  # no mark: the current stream
+    copier.shutdown()
+
+
+def test_hash_threads_leave_the_training_thread_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    import baft.engine.device as device
+
+    monkeypatch.delenv("BAFT_HASH_THREADS", raising=False)
+    monkeypatch.setattr(device.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert device.hash_threads() == 8  # at most 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert device.hash_threads() == 3  # 4 cores per rank, one trains
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert device.hash_threads() == 1  # at least one
+    monkeypatch.setenv("BAFT_HASH_THREADS", "5")
+    assert device.hash_threads() == 5
 
 
 def _policy(native_id: int) -> int:

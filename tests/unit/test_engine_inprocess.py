@@ -57,7 +57,28 @@ class _State:
         return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for _, t in self.tensors)
 
 
-def _engines(tmp: Path, redundancy: str) -> tuple[list[CheckpointEngine], list[_State], list[Any]]:
+class _OffThreadCopy(ThreadCopy):
+    """A copier the engine issues from its own thread, as it does CudaCopy's: records
+    the ``mark`` calls and the threads ``start`` ran on."""
+
+    issues_off_thread = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marks = 0
+        self.threads: set[str] = set()
+
+    def mark(self) -> None:
+        self.marks += 1
+
+    def start(self, pairs):  # type: ignore[no-untyped-def]
+        self.threads.add(threading.current_thread().name)
+        return super().start(pairs)
+
+
+def _engines(
+    tmp: Path, redundancy: str, *, spill: Callable[[], ThreadCopy] = ThreadCopy, copy_Bps=2e9
+) -> tuple[list[CheckpointEngine], list[_State], list[Any]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy={redundancy},persist=0,full_every=1")
     ck.store_root, ck.job_id, ck.timeout_s, ck.profile_iters = str(tmp / "shm"), "job", 5.0, 1
@@ -69,7 +90,7 @@ def _engines(tmp: Path, redundancy: str) -> tuple[list[CheckpointEngine], list[_
             store=SnapshotStore(tmp / "shm", "job", topo.node_of(r), r, 1 << 30),
             transport=transports[r],
             copier=HostCopy(),
-            spill_copier=ThreadCopy(),
+            spill_copier=spill(),
             worker=ProtectWorker(gated=False),
             peers={},
             persister=None,
@@ -97,7 +118,7 @@ def _engines(tmp: Path, redundancy: str) -> tuple[list[CheckpointEngine], list[_
             }
             for r, e in enumerate(engines)
         ],
-        "cost": {"copy_Bps": 2e9, "net_Bps": 1e9, "encode_Bps": 2e9, "persist_Bps": 1e9},
+        "cost": {"copy_Bps": copy_Bps, "net_Bps": 1e9, "encode_Bps": 2e9, "persist_Bps": 1e9},
         "world_size": WORLD,
     }
     save_plan_input(tmp / "run", plan_input)
@@ -139,8 +160,8 @@ def _iteration(engine: CheckpointEngine, state: _State, it: int) -> bytes:
     return before
 
 
-def test_versions_commit_with_exact_bytes_and_replicas(tmp_path: Path) -> None:
-    engines, states, _ = _engines(tmp_path, "replicate:1")
+def _four_iterations(engines: list[CheckpointEngine], states: list[_State]) -> list[list[bytes]]:
+    """Start every rank's engine, run four iterations, close; each rank's version bytes."""
 
     def run(r: int) -> list[bytes]:
         e = engines[r]
@@ -149,7 +170,12 @@ def test_versions_commit_with_exact_bytes_and_replicas(tmp_path: Path) -> None:
         e.close()
         return expected
 
-    expected = _on_ranks(run)
+    return _on_ranks(run)
+
+
+def test_versions_commit_with_exact_bytes_and_replicas(tmp_path: Path) -> None:
+    engines, states, _ = _engines(tmp_path, "replicate:1")
+    expected = _four_iterations(engines, states)
     for r, e in enumerate(engines):
         assert states[r].captured == 4
         store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
@@ -163,6 +189,28 @@ def test_versions_commit_with_exact_bytes_and_replicas(tmp_path: Path) -> None:
         assert bytes(store.read(slot, "red", 0, len(expected[peer][3]))) == expected[peer][3]
         assert e.last_metrics["bytes"]["snapshot"] == len(expected[r][3])
         assert e.last_metrics["bytes"]["recv"] == len(expected[peer][3])
+        store.close()
+
+
+def test_copies_issued_off_the_training_thread_commit_exact_bytes(tmp_path: Path) -> None:
+    """CUDA's path, with a thread copier standing in: the iteration-start copies (what
+    fits no bubble: copies at 1 MB/s leave w0 room for a fraction) are issued by the
+    engine's issuer thread after one ``mark`` per iteration, the slot copies by the
+    rank's own thread, and every committed version holds exactly the state before its step."""
+    engines, states, _ = _engines(tmp_path, "replicate:1", spill=_OffThreadCopy, copy_Bps=1e6)
+    expected = _four_iterations(engines, states)
+    for r, e in enumerate(engines):
+        copier = e.spill_copier
+        assert isinstance(copier, _OffThreadCopy)
+        assert copier.marks == 3  # versions 1..3 (iteration 0 profiles)
+        assert any(n.startswith("baft-issue") for n in copier.threads)
+        assert e.schedule.by_slot.get("w0")  # some chunks did fit the bubble
+        store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
+        inv = store.inventory(verify=True)
+        assert inv.committed == 3
+        newest = inv.get(3)
+        assert newest is not None and newest.usable
+        assert bytes(store.read(newest.slot, "data")) == expected[r][3]
         store.close()
 
 
