@@ -31,7 +31,8 @@ How a rotation starts (``anchor``, keyword of the functions below):
   same size, so store slots, the planner and the redundancy codes work unchanged; a
   version is rebuildable once a whole rotation is behind it (``v >= first_version + k
   - 1``). After a fresh start that only means the first ``k - 1`` versions are not
-  protected yet; after a restore from DCP, a failure within ``k - 1`` iterations falls
+  protected yet (a crash then starts the job over from iteration 0, logged, as a crash
+  before the first checkpoint does: ``recover/runtime.py``); after a restore from DCP, a failure within ``k - 1`` iterations falls
   back to DCP again (up to ``k`` more iterations lost), the price of fixed-size payloads.
 - ``anchor=True``: the payload of ``first_version`` holds every slice (a full snapshot)
   and no record; every version from ``first_version`` on is rebuildable (at most one

@@ -146,7 +146,10 @@ def recover_and_start(
             reason, persisted,
         )  # fmt: skip
     t_inventory = time.time() - t0
-    _never_silently_fresh(plan, reason, located, run_dir, ck.allow_fresh_start, engine.rank)
+    _never_silently_fresh(
+        plan, reason, located, run_dir, ck.allow_fresh_start, engine.rank,
+        began_by=ck.profile_iters + ck.policy.every,
+    )  # fmt: skip
     if plan.source == "fresh" and attempt == 0 and not located.holds_shards():
         engine.start(0)
         return 0, None
@@ -172,9 +175,10 @@ def recover_and_start(
         t2 = time.time()
         _load_from_disk(engine, plan, persist_dir)
         engine.store.clear_versions()
-    else:
+    else:  # starting over (see _never_silently_fresh): no version of before is kept
         t_transfer = 0.0
         t2 = time.time()
+        engine.store.clear_versions()
     t_load = time.time() - t2
     reclaimed = _reclaim(stores, engine.transport, engine.topology, plan, located)
     resume = plan.version or 0
@@ -379,6 +383,23 @@ def _replay_window(
     return done
 
 
+def _young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
+    """``(first_version, newest, k)`` when the stores hold only the differential rotation
+    the job began with (first version before ``began_by``: profiling plus one interval),
+    not a whole window old yet: no version was ever rebuildable, so starting over loses
+    only the iterations since the job began. None otherwise."""
+    from baft.recover.differential import window_of
+
+    meta = _diff_meta(located)
+    if not meta:
+        return None
+    newest = max(meta)
+    k, first = int(meta[newest]["k"]), int(meta[newest]["first_version"])
+    if first >= began_by or window_of(newest, k, first) is not None:
+        return None
+    return first, newest, k
+
+
 def _never_silently_fresh(
     plan: RecoveryPlan,
     reason: str,
@@ -386,11 +407,18 @@ def _never_silently_fresh(
     run_dir: Path,
     allow_fresh_start: bool,
     rank: int,
+    *,
+    began_by: int = 0,
 ) -> None:
     """A job that made progress never starts over without saying so: falling back to DCP
     while stores hold snapshots is logged loudly (with why each memory version failed), and
-    a fresh start after progress raises unless ``allow_fresh_start``. Same outcome on every
-    rank (all see the same plan and run directory)."""
+    a fresh start after progress raises unless ``allow_fresh_start``, or unless nothing
+    could have been rebuildable yet: the job ended before its first checkpoint (progress
+    within ``began_by`` iterations: profiling plus one interval, and no snapshot), or its
+    only snapshots are the first differential rotation, not a whole window old (see
+    :func:`_young_first_rotation`). Then it starts over, logged, losing only the
+    iterations since the job began. Same outcome on every rank (all see the same plan and
+    run directory)."""
     shards = located.holds_shards()
     if plan.source == "disk" and shards and rank == 0:
         log.warning("snapshots in memory cannot be restored, falling back to DCP: %s", reason)
@@ -405,6 +433,28 @@ def _never_silently_fresh(
     if shards:
         where = sorted({str(loc.store) for loc in located.stores if loc.inventory.versions})
         seen.append(f"stores hold snapshots of the job ({', '.join(where)})")
+    if not shards and done <= began_by:
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0, losing %d iteration(s): the job ended "
+                "before its first checkpoint",
+                done,
+            )
+        return
+    young = _young_first_rotation(located, began_by) if shards else None
+    if young is not None and done <= young[1] + 2:
+        first, newest, k = young
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0, losing %d iteration(s): the job's "
+                "differential checkpoints began at v%d and the newest, v%d, is not a whole "
+                "window of %d payloads old yet, so no version was rebuildable",
+                done,
+                first,
+                newest,
+                k,
+            )
+        return
     if allow_fresh_start:
         if rank == 0:
             log.warning(

@@ -137,6 +137,27 @@ def test_differential_kill_and_node_loss_recover_bit_exactly(
     assert "differential" in node["reason"]
 
 
+def test_a_crash_before_anything_is_rebuildable_starts_over_on_the_same_trajectory(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """With full_every=3 the rotation starts at v2 and v4 is the first rebuildable version:
+    a crash in iteration 3 leaves nothing a restore could use, and nothing could have been
+    saved. The job starts over from iteration 0 (it used to refuse, ending the job), and
+    the payloads the first attempt left do not confuse the next recovery from memory."""
+    failed = run_job(
+        _config(
+            tmp_path / "young", store, ["kill:rank=1,iter=3,at=snapshot", "kill:rank=2,iter=9"],
+            full_every=3,
+        )
+    )  # fmt: skip
+    assert_same_training(failed, reference, 12)
+    fresh, crash = failed["summary"]["recoveries"]
+    assert fresh["source"] == "fresh" and fresh["resume_iteration"] == 0, fresh
+    assert "not a whole window" in fresh["reason"], fresh
+    assert crash["source"] == "memory" and crash["restored_version"] == 8, crash
+    assert "differential" in crash["reason"]
+
+
 def test_sigterm_flushes_to_dcp_and_the_next_launch_resumes(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:

@@ -23,7 +23,11 @@ pytestmark = pytest.mark.timeout(420)
 def _config(out: Path, store: Path, inject: list[str], persist_every: int):
     cfg = tiny_config(out, iterations=10, batch=8, num_dp=2, num_pp=2, num_microbatches=2)
     cfg.checkpoint = CheckpointConfig(
-        policy=CheckpointPolicy(redundancy="xor:2", persist_every=persist_every, keep_latest=2),
+        # full snapshots: the store's bytes are then the flat state that _snapshot_tensors
+        # reads (auto picked full_every=3 on a loaded machine once: a payload layout)
+        policy=CheckpointPolicy(
+            redundancy="xor:2", persist_every=persist_every, keep_latest=2, full_every=1
+        ),
         profile_iters=2,
         store_root=str(store),
         inject=inject,

@@ -387,6 +387,54 @@ def test_nothing_restorable_after_progress_is_an_error(
     assert "(fresh start: why)" in text and "CheckpointConfig.allow_fresh_start=True" in text
 
 
+def test_a_job_that_ended_before_its_first_checkpoint_starts_over_loudly(
+    tmp_path: Path, caplog
+) -> None:
+    """Progress within profiling plus one interval and no snapshot anywhere: nothing
+    could have been saved, so the job starts over (logged); one iteration more is an
+    error as before."""
+    caplog.set_level(logging.INFO, logger="baft")
+    run_dir, located = _fresh_inputs(tmp_path, 2, shards=False)  # iterations 0..2 done
+    _never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0, began_by=3)
+    (rec,) = caplog.records
+    assert rec.getMessage() == (
+        "starting over from iteration 0, losing 3 iteration(s): the job ended before its "
+        "first checkpoint"
+    )
+    with pytest.raises(RestoreError, match="refusing to start over silently"):
+        _never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0, began_by=2)
+
+
+@pytest.mark.parametrize(
+    ("first", "newest", "began_by", "allowed"),
+    [
+        (2, 3, 3, True),  # the job's first rotation (from v2, k=3): v4 would be the first
+        (2, 4, 3, False),  # v4 is a whole window old: it should have been rebuildable
+        (7, 8, 3, False),  # a rotation that began later (after a DCP restore): refuse
+    ],
+)
+def test_only_the_first_young_rotation_lets_a_job_start_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, first, newest, began_by, allowed
+) -> None:
+    import baft.recover.runtime as runtime
+
+    caplog.set_level(logging.INFO, logger="baft")
+    run_dir, located = _fresh_inputs(tmp_path, newest, shards=True)
+    meta = {v: {"k": 3, "first_version": first} for v in range(first, newest + 1)}
+    monkeypatch.setattr(runtime, "_diff_meta", lambda _: meta)
+    if not allowed:
+        with pytest.raises(RestoreError, match="refusing to start over silently"):
+            _never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
+        return
+    _never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
+    (rec,) = caplog.records
+    assert rec.getMessage() == (
+        f"starting over from iteration 0, losing {newest + 1} iteration(s): the job's "
+        f"differential checkpoints began at v{first} and the newest, v{newest}, is not a "
+        "whole window of 3 payloads old yet, so no version was rebuildable"
+    )
+
+
 def test_allowed_fresh_start_and_dcp_fallback_are_logged_loudly(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="baft")
     run_dir, located = _fresh_inputs(tmp_path, 3, shards=True)
