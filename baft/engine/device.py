@@ -206,8 +206,8 @@ def hash_threads() -> int:
     """Threads that hash CUDA snapshot copies on the host: ``$BAFT_HASH_THREADS``, else
     the cores this rank's share of the host leaves beside its training thread, 1 to 8.
 
-    Measured on an H200 host (16 cores, gVisor): one thread hashes 5 GB/s, four 17 GB/s,
-    eight 30 GB/s, against 54 GB/s of device-to-host copy; with one thread the hash of a
+    Measured on H200 hosts (16 cores, gVisor): one thread hashes 5-10 GB/s, four 17-36,
+    eight 30-67, against 55 GB/s of device-to-host copy; with one thread the hash of a
     1.1 GiB state took 255 ms per iteration and the step waited for it."""
     if os.environ.get("BAFT_HASH_THREADS"):
         return max(1, int(os.environ["BAFT_HASH_THREADS"]))

@@ -422,9 +422,9 @@ class CheckpointEngine:
             cur = self._current(iteration)  # (differential: resolves this version's pieces)
             if cur is not None and self._issuer is not None:
                 # CUDA: issuing a chunk's copies costs the host ~160 us (23 ms per
-                # iteration for a 1.1 GiB state, measured on an H200), time the GPU then
-                # waited for the forward's launches. Here the training thread only records where
-                # the copies start in its stream; a thread issues them while it computes.
+                # iteration for a 1.1 GiB state, measured on an H200), time the GPU
+                # then waited for the forward's launches. Here the training thread only
+                # marks where the copies start in its stream; a thread issues them.
                 self.spill_copier.mark()  # type: ignore[attr-defined]
                 self._issuing = self._issuer.submit(self._issue_spills, cur, timeline)
             elif cur is not None:
