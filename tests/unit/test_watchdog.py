@@ -113,24 +113,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _live_dog(run_dir: Path, port: int, rank: int, *, timeout_s: float) -> Watchdog:
+    """A started watchdog of ``rank`` (of two) on the TCPStore at ``port``; it records
+    hangs but never ends the test process."""
+    return Watchdog(
+        rank=rank,
+        world_size=2,
+        timeout_s=timeout_s,
+        run_dir=run_dir,
+        host="127.0.0.1",
+        port=port,
+        exit_process=False,
+    ).start()
+
+
 @pytest.mark.timeout(60)
 def test_live_watchdogs_catch_a_frozen_peer(tmp_path: Path) -> None:
     """Two watchdogs on one TCPStore. Rank 1 slows its section down (still beating), then
     its threads stop (as under SIGSTOP): rank 0 names rank 1 and records it."""
     port = _free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    dogs = [
-        Watchdog(
-            rank=r,
-            world_size=2,
-            timeout_s=1.0,
-            run_dir=tmp_path,
-            host="127.0.0.1",
-            port=port,
-            exit_process=False,
-        ).start()
-        for r in (0, 1)
-    ]
+    dogs = [_live_dog(tmp_path, port, r, timeout_s=1.0) for r in (0, 1)]
     try:
         with dogs[1].section("iteration 4"):
             time.sleep(1.5)  # longer than the timeout, below the 2x section limit
@@ -191,15 +194,7 @@ def test_an_error_outside_any_section_is_dealt_with_on_its_way_out(
     monkeypatch.setattr(sys, "excepthook", lambda kind, err, tb: printed.append(err))
     port = _free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    dog = Watchdog(
-        rank=0,
-        world_size=2,
-        timeout_s=5.0,
-        run_dir=tmp_path,
-        host="127.0.0.1",
-        port=port,
-        exit_process=False,
-    ).start()
+    dog = _live_dog(tmp_path, port, 0, timeout_s=5.0)
     try:
         with dog._lock:  # peer 1 silent for 2 s: past 3 beats, not yet the 5 s timeout
             dog._seen[1] = (b"x", time.monotonic() - 2.0, {"section": "iteration 7"})
@@ -224,18 +219,7 @@ def test_a_finished_rank_is_not_a_hang(tmp_path: Path) -> None:
     declares the finished rank, however long it keeps running."""
     port = _free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    dogs = [
-        Watchdog(
-            rank=r,
-            world_size=2,
-            timeout_s=1.0,
-            run_dir=tmp_path,
-            host="127.0.0.1",
-            port=port,
-            exit_process=False,
-        ).start()
-        for r in (0, 1)
-    ]
+    dogs = [_live_dog(tmp_path, port, r, timeout_s=1.0) for r in (0, 1)]
     try:
         while 1 not in dogs[0]._seen:
             time.sleep(0.05)
