@@ -150,6 +150,11 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes, in order")
     p.add_argument("--name", default="peers", help="PNG name prefix")
     p.add_argument("--emulated-ms", default="", help="fixed emulated stage times, as bench's")
+    p.add_argument(
+        "--checkpoint",
+        default="every=1,redundancy=xor:2,persist=0",
+        help="the engine modes' checkpoint spec, as bench's",
+    )
     p.add_argument("--out", default="runs/peers-timeline")
     p.add_argument("--results-dir", default="benchmarks/results")
     a = p.parse_args()
@@ -160,7 +165,13 @@ def main() -> int:
     from baft.bench.overhead import OverheadConfig
 
     modes = [m for m in a.modes.split(",") if m]
-    bcfg = OverheadConfig(modes=modes, compute=a.compute, out_dir=a.out, emulated_ms=a.emulated_ms)
+    bcfg = OverheadConfig(
+        modes=modes,
+        compute=a.compute,
+        out_dir=a.out,
+        emulated_ms=a.emulated_ms,
+        checkpoint=a.checkpoint,
+    )
     bcfg.validate()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
