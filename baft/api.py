@@ -199,7 +199,7 @@ class Protected:
         self.runner.average_gradients()
 
     def _after_step(self, result: StepResult) -> None:
-        from baft.recover.runtime import write_progress
+        from baft.recover.report import write_progress
 
         if self.engine is not None:  # a later recovery counts the iterations it lost
             write_progress(self.run_dir, self.mesh.rank, result.iteration)

@@ -28,9 +28,7 @@ fresh job finds empty stores and starts at iteration 0):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -45,7 +43,6 @@ from baft.engine.engine import CheckpointEngine
 from baft.engine.peers import host_id
 from baft.engine.persister import list_versions, load_version, persist_name
 from baft.engine.transport import Handle, Transport
-from baft.engine.watchdog import read_hangs
 from baft.recover.coordinator import (
     LocatedInventory,
     RecoveryPlan,
@@ -54,69 +51,18 @@ from baft.recover.coordinator import (
     reader_of,
 )
 from baft.recover.differential import RestoreError
+from baft.recover.report import (
+    RecoveryReport,
+    completed_iterations,
+    progress_seen,
+    report_hang,
+)
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, checksum
 from baft.store.shm import SnapshotStore, StoreReadError, find_stores, job_path
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
-
-
-class RecoveryReport:
-    """Timing and provenance of one recovery, written by rank 0."""
-
-    def __init__(self, run_dir: Path, attempt: int) -> None:
-        self.run_dir = run_dir
-        self.record: dict[str, Any] = {"attempt": attempt, "seconds": {}}
-        self._t_start_first = 0.0
-
-    def phase(self, name: str, seconds: float) -> None:
-        self.record["seconds"][name] = round(seconds, 6)
-
-    def first_iteration_started(self) -> None:
-        self._t_start_first = time.time()
-
-    def first_iteration_done(self, is_main: bool) -> None:
-        self.phase("first_iteration", time.time() - self._t_start_first)
-        self.record["resumed_at"] = time.time()
-        if is_main:
-            with open(self.run_dir / "recoveries.jsonl", "a") as f:
-                f.write(json.dumps(self.record) + "\n")
-            r = self.record
-            secs = ", ".join(f"{k} {v:.3f}s" for k, v in r["seconds"].items())
-            log.info(
-                "recovered v%s from %s (lost %s iteration(s)): %s",
-                r["restored_version"],
-                r["source"],
-                r["lost_iterations"],
-                secs,
-            )
-
-
-PROGRESS_DIR = "progress"
-"""The run's one progress record: per rank, the last iteration whose step it finished
-(``baft.protect`` writes it after every step). The job finished an iteration when every
-rank did; a recovery counts the iterations it loses against that."""
-
-
-def write_progress(run_dir: Path, rank: int, iteration: int) -> None:
-    """Record that this rank finished ``iteration`` (atomic: a crash keeps the old record)."""
-    d = run_dir / PROGRESS_DIR
-    d.mkdir(exist_ok=True)
-    tmp = d / f".rank{rank}.tmp"
-    tmp.write_text(str(iteration))
-    tmp.replace(d / f"rank{rank}")
-
-
-def _completed_iterations(run_dir: Path, world_size: int) -> int:
-    """Iterations every rank finished before this start (0 for a new run)."""
-    done = []
-    for r in range(world_size):
-        try:
-            done.append(int((run_dir / PROGRESS_DIR / f"rank{r}").read_text()))
-        except (OSError, ValueError):
-            done.append(-1)
-    return min(done, default=-1) + 1
 
 
 def recover_and_start(
@@ -182,7 +128,7 @@ def recover_and_start(
     t_load = time.time() - t2
     reclaimed = _reclaim(stores, engine.transport, engine.topology, plan, located)
     resume = plan.version or 0
-    completed = _completed_iterations(run_dir, engine.topology.world_size)
+    completed = completed_iterations(run_dir, engine.topology.world_size)
     fault_times = [r.time for r in injector.fired_records()] if injector is not None else []
     report.record.update(
         restored_version=plan.version,
@@ -199,7 +145,7 @@ def recover_and_start(
         report.record["reclaimed"] = reclaimed
     if fault_times:
         report.phase("detect_restart", t_launch - max(fault_times))
-    _report_hang(report, run_dir, attempt, t_launch)
+    report_hang(report, run_dir, attempt, t_launch)
     if t_rdzv > t_launch:
         report.phase("rendezvous", t_rdzv - t_launch)
     report.phase("inventory", t_inventory)
@@ -424,7 +370,7 @@ def _never_silently_fresh(
         log.warning("snapshots in memory cannot be restored, falling back to DCP: %s", reason)
     if plan.source != "fresh":
         return
-    done = _progress_seen(run_dir)
+    done = progress_seen(run_dir)
     if not shards and not done:
         return
     seen = []
@@ -470,17 +416,6 @@ def _never_silently_fresh(
     )
 
 
-def _progress_seen(run_dir: Path) -> int:
-    """1 + the newest iteration any rank recorded as finished (0: no progress recorded)."""
-    newest = -1
-    for f in (run_dir / PROGRESS_DIR).glob("rank*"):
-        try:
-            newest = max(newest, int(f.read_text()))
-        except (OSError, ValueError):
-            continue
-    return newest + 1
-
-
 def _reclaim(
     stores: HostStores,
     transport: Transport,
@@ -514,52 +449,6 @@ def _reclaim(
     if removed:
         log.info("reclaimed %d store(s) no rank needs any more: %s", len(removed), removed)
     return removed
-
-
-def _unattributed_hangs(run_dir: Path, attempt: int) -> list[dict[str, Any]]:
-    """The hang records that ended an earlier attempt since the last recovery resumed.
-
-    Not only the previous attempt's: on a loaded machine the first restart after a hang
-    can itself fail (a restore wait timing out while the frozen process is still being
-    torn down), and the attempt that finally recovers must still say who hung. Records
-    from before the last recovery belong to that recovery.
-    """
-    if attempt <= 0:
-        return []
-    since = 0.0
-    try:
-        for line in (run_dir / "recoveries.jsonl").read_text().splitlines():
-            with contextlib.suppress(ValueError, TypeError):
-                since = max(since, float(json.loads(line).get("resumed_at", 0.0)))
-    except FileNotFoundError:
-        pass
-    hangs = [
-        h
-        for h in read_hangs(run_dir)
-        if int(h.get("attempt", attempt)) < attempt and float(h["detected_at"]) > since
-    ]
-    if not hangs:
-        return []
-    first_attempt = min(int(h["attempt"]) for h in hangs)
-    return [h for h in hangs if int(h["attempt"]) == first_attempt]
-
-
-def _report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: float) -> None:
-    """If a watchdog ended the previous attempt: who hung, and detection apart from restart.
-
-    ``detect`` runs from the suspect's last heartbeat (the freeze, to within one beat
-    period) to the first rank that noticed; ``restart`` from there to this process's start.
-    """
-    hangs = _unattributed_hangs(run_dir, attempt)
-    if not hangs:
-        return
-    first = hangs[0]
-    report.record["hang"] = {
-        k: first.get(k) for k in ("kind", "suspect", "section", "detected_by", "reason")
-    }
-    report.record["detected_at"] = first["detected_at"]
-    report.phase("detect", first["detected_at"] - first["last_seen_at"])
-    report.phase("restart", t_launch - first["detected_at"])
 
 
 class HostStores:

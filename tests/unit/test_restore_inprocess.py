@@ -28,8 +28,8 @@ from baft.recover.coordinator import (
     StoreRef,
     TopologyMismatchError,
 )
+from baft.recover.report import PROGRESS_DIR
 from baft.recover.runtime import (
-    PROGRESS_DIR,
     HostStores,
     Located,
     RestoreError,

@@ -240,7 +240,7 @@ def test_recovery_attributes_the_hang_that_began_its_chain(tmp_path: Path) -> No
     attempt 2 reports; a hang an earlier recovery already reported is not."""
     import json
 
-    from baft.recover.runtime import _unattributed_hangs
+    from baft.recover.report import unattributed_hangs
 
     def hang(attempt: int, at: float, suspect: int) -> None:
         rec = {"attempt": attempt, "detected_at": at, "last_seen_at": at - 8, "suspect": suspect}
@@ -250,11 +250,11 @@ def test_recovery_attributes_the_hang_that_began_its_chain(tmp_path: Path) -> No
     (tmp_path / "recoveries.jsonl").write_text(json.dumps({"resumed_at": 120.0}) + "\n")
     hang(1, 200.0, 0)  # attempt 1's hang: its restart (attempt 2) failed before resuming
     hang(1, 201.0, 1)
-    assert _unattributed_hangs(tmp_path, 0) == []
-    assert _unattributed_hangs(tmp_path, 1) == []  # attempt 0's hang was reported already
-    got = _unattributed_hangs(tmp_path, 3)
+    assert unattributed_hangs(tmp_path, 0) == []
+    assert unattributed_hangs(tmp_path, 1) == []  # attempt 0's hang was reported already
+    got = unattributed_hangs(tmp_path, 3)
     assert [(h["attempt"], h["suspect"]) for h in got] == [(1, 0), (1, 1)]
-    assert [(h["attempt"], h["suspect"]) for h in _unattributed_hangs(tmp_path, 2)] == [
+    assert [(h["attempt"], h["suspect"]) for h in unattributed_hangs(tmp_path, 2)] == [
         (1, 0),
         (1, 1),
     ]
