@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -163,7 +164,27 @@ def process_main(body: Callable[[], object]) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    _exit_without_finalizing()
     return 0
+
+
+def _exit_without_finalizing() -> None:
+    """Leave a finished rank at once, skipping the interpreter's finalization.
+
+    There, C++ objects of torch and gloo are destroyed in no fixed order, and a rank that
+    had finished every iteration sometimes aborted ("terminate called without an active
+    exception", SIGABRT: seen once in a hang test's restarted attempt and once at the end
+    of a bench launch); torchrun then restarts the whole group for a job that was done.
+    Everything of the run is written and closed by now; logging and stdio are flushed
+    here. A live child process (a peer library's saver) keeps the normal exit, which
+    joins it."""
+    if multiprocessing.active_children():
+        return
+    faulthandler.cancel_dump_traceback_later()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
