@@ -229,7 +229,8 @@ class CudaCopy:
     def __init__(self, device: torch.device, threads: int | None = None) -> None:
         self.stream = torch.cuda.Stream(device=device)
         self.device = device
-        self._last: Any = None
+        self._issued = False
+        """A copy was issued since the last synchronize (else there is nothing to wait for)."""
         self._after: Any = None
         self._pool = ThreadPoolExecutor(threads or hash_threads(), thread_name_prefix="baft-hash")
 
@@ -252,7 +253,7 @@ class CudaCopy:
                 dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record(self.stream)
-        self._last = event
+        self._issued = True
         self._pool.submit(self._hash, c, event, [dst for dst, _ in pairs])
         return c
 
@@ -278,7 +279,8 @@ class CudaCopy:
         """Wait for every copy issued so far, from whichever thread: an event recorded
         now on the side stream follows them all in stream order."""
         self._after = None
-        if self._last is not None:
+        if self._issued:
+            self._issued = False
             done = torch.cuda.Event()
             done.record(self.stream)
             done.synchronize()
