@@ -274,13 +274,30 @@ class CheckpointEngine:
         if rate is None:
             return
         assumed = float(self._plan_input["cost"].get("copy_Bps", CostModel().copy_Bps))
+        assert self.plan is not None
+        before = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
+        if self.k > 1:
+            trial = {**self._plan_input, "cost": {**self._plan_input["cost"], "copy_Bps": rate}}
+            moved = self._planned(trial, self.k).ranks
+            if any((p.owned_start, p.owned_stop) != before[r] for r, p in moved.items()):
+                # Differential versions rebuild from a whole window of payloads of one
+                # layout: moving the shard boundaries would forget the rotation and leave
+                # the next k-1 versions unrebuildable (a crash there could only start
+                # over). Keeping a plan that misjudges the copy rate costs some overlap;
+                # that gap would cost the job. Same decision on every rank.
+                if self.rank == 0:
+                    log.warning(
+                        "not re-planning: snapshots copy at %.2f GB/s (assumed %.2f), but a "
+                        "new plan would move the shard boundaries, and a differential "
+                        "rotation (full_every=%d) cannot carry over to a new layout",
+                        rate / 1e9, assumed / 1e9, self.k,
+                    )  # fmt: skip
+                return
         self._resolve_commit()
         self._quiesce()
         self._plan_input["cost"]["copy_Bps"] = rate
         if self.rank == 0:
             save_plan_input(self.run_dir, self._plan_input)
-        assert self.plan is not None
-        before = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
         self._plan_from(
             self._plan_input,
             source=f"re-plan: snapshots copy at {rate / 1e9:.2f} GB/s, assumed {assumed / 1e9:.2f}",
@@ -301,8 +318,7 @@ class CheckpointEngine:
         layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
         if layouts[self.rank] != self.layout():
             raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
-        cost = CostModel.from_measurements(plan_input["cost"])
-        k = self._choose_k(bubbles, layouts, cost)
+        k = self._choose_k(bubbles, layouts, CostModel.from_measurements(plan_input["cost"]))
         if k != self.k and self.plan is not None:  # a new rotation: old payloads do not mix
             self.store.clear_versions()
             self.votes.adopt(None)
@@ -317,17 +333,9 @@ class CheckpointEngine:
         if k > 1:
             payload = PayloadLayout.of(self.flat.specs(), k)
             self.payload = PayloadViews(payload, self.state.named_tensors())
-            layouts = {
-                r: StateLayout(
-                    rank=r,
-                    tensors=PayloadLayout.of(lay.tensors, k).specs(),
-                    replicas=lay.replicas,
-                )
-                for r, lay in layouts.items()
-            }
         else:
             self.payload = None
-        plan = make_plan(bubbles, layouts, cost, self.policy)
+        plan = self._planned(plan_input, k)
         self.plan = plan
         self.source = self.payload.flat(0, None) if self.payload is not None else self.flat
         self.schedule = SnapshotSchedule.of(plan, self.rank, self.source)
@@ -357,6 +365,23 @@ class CheckpointEngine:
             f"same-host stores, {paths['net'] / 2**20:.1f} MiB over the network"
         )
         log.info("checkpoint plan (%s): %s; %s; %s", source, plan.reason, self._k_reason, via)
+
+    def _planned(self, plan_input: dict[str, Any], k: int) -> CheckpointPlan:
+        """The plan of ``plan_input`` with full_every ``k`` (pure: every rank computes the
+        same from the same input); with ``k > 1`` the planned bytes are each rank's payload."""
+        ranks = plan_input["ranks"]
+        bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
+        layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
+        if k > 1:
+            layouts = {
+                r: StateLayout(
+                    rank=r, tensors=PayloadLayout.of(lay.tensors, k).specs(), replicas=lay.replicas
+                )
+                for r, lay in layouts.items()
+            }
+        return make_plan(
+            bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), self.policy
+        )
 
     def _choose_k(
         self, bubbles: dict[int, Any], layouts: dict[int, StateLayout], cost: CostModel

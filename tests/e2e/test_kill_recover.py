@@ -353,3 +353,29 @@ def test_replan_that_moves_shard_boundaries_then_recovery_is_bit_exact(
     # the restart restores v6 (committed at once) and goes on under the re-planned layout
     committed = [m.get("committed_version") for m in failed["metrics"]]
     assert committed == [None, 0, 1, None, 3, 4, 6, 6, 7, 8, 9, 10], committed
+
+
+@pytest.mark.slow  # two launches (~1 min here): `make test-all`
+def test_differential_keeps_its_layout_rather_than_replan_and_restores_the_first_window(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """The same crafted costs with differential checkpoints (full_every=4): moving the
+    shard boundaries would forget v0..v2 and leave v3 unrebuildable, so the engine keeps
+    its plan (the saved plan input keeps the assumed rate), and a crash at iteration 4
+    restores v3 from the rotation's first whole window (v0..v3)."""
+    profiled = run_job(_config(tmp_path / "profile", store, [], iterations=2, profile_iters=1))
+    crafted = _crafted_plan_input(
+        json.loads((profiled["out"] / PLAN_INPUT_FILE).read_text()), num_dp=2
+    )
+    run = tmp_path / "kept"
+    failed = run_job(
+        _config(run, store, ["kill:rank=1,iter=4,at=iteration"], full_every=4),
+        plan_input=crafted,
+    )
+    assert_same_training(failed, reference, 12)
+    kept = json.loads((run / PLAN_INPUT_FILE).read_text())
+    assert kept["cost"]["copy_Bps"] == 1e11, kept["cost"]
+    (r,) = failed["summary"]["recoveries"]
+    assert r["source"] == "memory" and r["restored_version"] == 3, r
+    assert r["lost_iterations"] == 1, r
+    assert r["replay"]["replayed_steps"] == 3, r  # records of steps 1..3 onto slices of v0..
