@@ -106,6 +106,39 @@ def paired_ratio(mode: list[list[float]], none: list[list[float]], block_iters: 
     return statistics.median(m / n for m, n in pairs)
 
 
+def block_walls(iter_s: list[list[float]], block_iters: int) -> list[float]:
+    """Wall seconds per iteration of each consecutive block: every rank runs a block's
+    iterations back to back, so the sum of its iteration seconds is the block's wall time;
+    the mean over ranks of that, over the block's iterations, is the pace training goes at.
+
+    Unlike the median of the per-iteration max over ranks, it does not depend on where
+    each rank's iteration boundary falls: pipelined ranks are coupled, and a mode that
+    moves work from one iteration's end to the next's start (a commit, a wait for the
+    previous stage) changes the per-iteration max without changing the throughput."""
+    out = []
+    for i in range(0, len(iter_s), block_iters):
+        rows = iter_s[i : i + block_iters]
+        per_rank = [sum(col) for col in zip(*rows, strict=True)]
+        out.append(statistics.fmean(per_rank) / len(rows))
+    return out
+
+
+def throughput(
+    mode: list[list[float]], none: list[list[float]], block_iters: int
+) -> dict[str, float]:
+    """Wall seconds per iteration (mean over the mode's blocks), its ratio to ``none``'s
+    and the paired ratio (median over rounds of block wall over the same round's ``none``
+    block wall)."""
+    walls, ref = block_walls(mode, block_iters), block_walls(none, block_iters)
+    return {
+        "wall_per_iter_s": statistics.fmean(walls),
+        "wall_ratio_vs_none": statistics.fmean(walls) / statistics.fmean(ref),
+        "paired_wall_ratio_vs_none": statistics.median(
+            m / n for m, n in zip(walls, ref, strict=True)
+        ),
+    }
+
+
 def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dict[str, Any]:
     """The reported result (the ``--json`` object) from the worker's raw output."""
     modes = {name: summarize_mode(s) for name, s in raw["modes"].items()}
@@ -123,6 +156,7 @@ def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dic
         m["paired_ratio_vs_none"] = paired_ratio(
             raw["modes"][name]["iter_s"], none_iters, block_iters
         )
+        m.update(throughput(raw["modes"][name]["iter_s"], none_iters, block_iters))
     snapshot_s = max(raw["snapshot_s"])
     return {
         "sync_snapshot_fraction": snapshot_s / ref if ref else None,

@@ -163,14 +163,18 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         "over the median `none` iteration)",
         "",
         f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none | paired ratio "
+        "| wall ms / iter | wall ratio | paired wall ratio "
         "| exposed ckpt (ms) | in-bubble fraction | MiB protected / iter | iterations |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in result["modes"].items():
         lines.append(
             f"| {name}{' (EMULATED)' if emulated else ''} | {_fmt(m['median_iter_s'], '.1f', 1e3)} "
             f"| {_fmt(m['iqr_iter_s'], '.1f', 1e3)} | {_fmt(m['ratio_vs_none'], '.3f')} "
             f"| {_fmt(m.get('paired_ratio_vs_none'), '.3f')} "
+            f"| {_fmt(m.get('wall_per_iter_s'), '.1f', 1e3)} "
+            f"| {_fmt(m.get('wall_ratio_vs_none'), '.3f')} "
+            f"| {_fmt(m.get('paired_wall_ratio_vs_none'), '.3f')} "
             f"| {_fmt(m['exposed_s'], '.1f', 1e3)} | {_fmt(m['in_bubble_fraction'], '.2f')} "
             f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
         )
@@ -195,8 +199,15 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
             )
         )
     lines += [
-        "- ratio vs none: ratio of medians; paired ratio: median over rounds of the block "
-        "median over the `none` block median of the same round (robust to drifting load).",
+        "- ratio vs none: ratio of medians (per iteration, the max over ranks); paired "
+        "ratio: median over rounds of the block median over the `none` block median of the "
+        "same round (robust to drifting load).",
+        "- wall ms / iter: the pace (each rank runs a block's iterations back to back: its "
+        "block wall time over the block's iterations, mean over ranks, mean over blocks); "
+        "wall ratio: that over `none`'s; paired wall ratio: median over rounds of the block "
+        "wall over the same round's `none` block wall. This is the throughput a run pays; "
+        "the per-iteration max also moves when a mode only shifts where ranks' iteration "
+        "boundaries fall.",
         "- exposed: main-thread checkpoint seconds outside pipeline waits (max over ranks); "
         "in-bubble fraction: share of main-thread checkpoint seconds spent inside waits, as "
         "each mode reports it (naive-async counts its background copy thread there).",

@@ -94,12 +94,35 @@ def test_paired_ratio_compares_blocks_of_the_same_round() -> None:
     assert result["modes"]["none"]["paired_ratio_vs_none"] == 1.0
 
 
+def test_wall_per_iteration_is_the_pace_not_the_per_iteration_max() -> None:
+    raw = _raw()
+    raw["config"]["block_iters"] = 1
+    m = summarize(raw)["modes"]["torch-save"]
+    # per round, mean over ranks: torch-save 0.35, 0.35, 0.275; none 0.15, 0.275, 0.12
+    assert m["wall_per_iter_s"] == pytest.approx((0.35 + 0.35 + 0.275) / 3)
+    assert m["wall_ratio_vs_none"] == pytest.approx(0.325 / ((0.15 + 0.275 + 0.12) / 3))
+    assert m["paired_wall_ratio_vs_none"] == pytest.approx(
+        0.275 / 0.12
+    )  # median of 2.33, 1.27, 2.29
+    # ranks whose iteration boundaries alternate: the max says 1.5x, the pace is the same
+    raw["config"]["block_iters"] = 2
+    raw["modes"] = {
+        "none": _samples([[0.2, 0.2], [0.2, 0.2]]),
+        "baft": _samples([[0.1, 0.3], [0.3, 0.1]]),
+    }
+    m = summarize(raw)["modes"]["baft"]
+    assert m["ratio_vs_none"] == pytest.approx(1.5)
+    assert m["wall_ratio_vs_none"] == pytest.approx(1.0)
+    assert m["paired_wall_ratio_vs_none"] == pytest.approx(1.0)
+
+
 def test_markdown_table_has_raw_numbers_and_ratios() -> None:
     result = summarize(_raw(), {"nproc": 2, "cpu_model": "Fake CPU", "ram_gib": 24.0})
     page = render_markdown(result, command="baft bench overhead", date="2026-01-02", plot="x.png")
     assert "2026-01-02" in page and "Fake CPU" in page and "`baft bench overhead`" in page
     assert "| torch-save | 450.0 |" in page
     assert "| 2.250 | 2.250 |" in page  # ratio of medians, paired ratio (one block)
+    assert "| 325.0 | 1.789 | 1.789 |" in page  # wall ms / iter, its ratios (one block)
     assert "EMULATED" not in page
     assert "skipped `naive-async`: ImportError: nope" in page
     assert "![iteration times per mode](x.png)" in page
