@@ -318,7 +318,9 @@ class CheckpointEngine:
         layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
         if layouts[self.rank] != self.layout():
             raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
-        k = self._choose_k(bubbles, layouts, CostModel.from_measurements(plan_input["cost"]))
+        k = self._choose_k(
+            bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), plan_input
+        )
         if k != self.k and self.plan is not None:  # a new rotation: old payloads do not mix
             self.store.clear_versions()
             self.votes.adopt(None)
@@ -384,7 +386,11 @@ class CheckpointEngine:
         )
 
     def _choose_k(
-        self, bubbles: dict[int, Any], layouts: dict[int, StateLayout], cost: CostModel
+        self,
+        bubbles: dict[int, Any],
+        layouts: dict[int, StateLayout],
+        cost: CostModel,
+        plan_input: dict[str, Any],
     ) -> int:
         """full_every of this plan: the policy's, or with ``auto`` the largest any rank's
         bubbles need (the same on every rank: a function of the shared plan inputs)."""
@@ -408,7 +414,31 @@ class CheckpointEngine:
         }
         worst = max(choices, key=lambda r: (choices[r][0], -r))
         self._k_reason = f"auto, rank {worst}: {choices[worst][1]}"
-        return choices[worst][0]
+        k = choices[worst][0]
+        # A larger k keeps more in the store (k+1 payload slots, each with a gradient
+        # record): step down to the largest k whose store fits every rank's budget (fewer
+        # bytes fit in the bubbles, but the job runs). At k=1 an over-budget store fails
+        # with MemoryBudgetError at allocation, saying what to change.
+        wanted = k
+        while k > 1 and self._store_bytes(plan_input, k) > self.ck.budget_bytes:
+            k -= 1
+        if k != wanted:
+            self._k_reason += (
+                f"; lowered to full_every={k}: with {wanted} the store would exceed "
+                f"budget_bytes={self.ck.budget_bytes:,}"
+            )
+        return k
+
+    def _store_bytes(self, plan_input: dict[str, Any], k: int) -> int:
+        """The most host memory any rank's store needs under the plan with ``k`` (the
+        same on every rank: a function of the shared plan inputs)."""
+        plan = self._planned(plan_input, k)
+        shards = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
+        red = group_layouts(self.topology, self.redundancy, shards)
+        return max(
+            SnapshotStore.required_bytes(shards[r], red[r].redundancy_nbytes(r), max(2, k + 1))
+            for r in shards
+        )
 
     def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
         """Allocate the store; collective, so that a rank over its memory budget (or a

@@ -77,10 +77,13 @@ class _Model:
         )
 
 
-def _build(tmp: Path, full_every: int | str) -> tuple[list[CheckpointEngine], list[_Model]]:
+def _build(
+    tmp: Path, full_every: int | str, *, idle_s: float = 0.05, budget: int = 1 << 30
+) -> tuple[list[CheckpointEngine], list[_Model]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy=replicate:1,persist=0,full_every={full_every}")
     ck.store_root, ck.job_id, ck.timeout_s, ck.profile_iters = str(tmp / "shm"), "job", 5.0, 1
+    ck.budget_bytes = budget
     transports = LocalTransport.group(WORLD, timeout_s=5.0)
     models = [_Model(r) for r in range(WORLD)]
     engines = [
@@ -92,7 +95,7 @@ def _build(tmp: Path, full_every: int | str) -> tuple[list[CheckpointEngine], li
             device=torch.device("cpu"),
             state=models[r],
             parts=EngineParts(
-                store=SnapshotStore(tmp / "shm", "job", r, r, 1 << 30),
+                store=SnapshotStore(tmp / "shm", "job", r, r, budget),
                 transport=transports[r],
                 copier=HostCopy(),
                 spill_copier=ThreadCopy(),
@@ -103,8 +106,8 @@ def _build(tmp: Path, full_every: int | str) -> tuple[list[CheckpointEngine], li
         )  # fmt: skip
         for r in range(WORLD)
     ]
-    (tmp / "run").mkdir()
-    slots = (Slot("w0", 0.05), Slot("pre_step", 0.001, kind="pre_step"))
+    (tmp / "run").mkdir(parents=True)
+    slots = (Slot("w0", idle_s), Slot("pre_step", min(idle_s, 0.001), kind="pre_step"))
     save_plan_input(
         tmp / "run",
         {
@@ -193,3 +196,26 @@ def test_auto_choosing_full_snapshots_holds_no_gradient_record(tmp_path: Path) -
         newest = next(x for x in inv.versions if x.version == 2)
         assert store.read(newest.slot, "data").tobytes() == states[r][2]  # a full snapshot
         store.close()
+
+
+def test_auto_steps_full_every_down_to_fit_the_memory_budget(tmp_path: Path) -> None:
+    """Bubbles too small for anything: auto wants the largest k (fewest bytes per
+    iteration), whose k+1 payload slots each carry a gradient record. With a budget that
+    holds only k-1's store, auto takes k-1 (says why) and the store allocates inside it."""
+    free, _ = _build(tmp_path / "free", "auto", idle_s=1e-7)
+    _train(free, [_Model(r) for r in range(WORLD)], 1)
+    wanted = free[0].k
+    assert wanted > 1 and all(e.k == wanted for e in free)
+    plan_input = free[0]._plan_input
+    assert plan_input is not None
+    need = {k: free[0]._store_bytes(plan_input, k) for k in (wanted - 1, wanted)}
+    assert need[wanted - 1] < need[wanted]  # more slots, each with a record
+    engines, models = _build(tmp_path / "tight", "auto", idle_s=1e-7, budget=need[wanted - 1])
+    states = _train(engines, models, 4)
+    for r, e in enumerate(engines):
+        assert e.k == wanted - 1
+        assert f"lowered to full_every={wanted - 1}" in e._k_reason, e._k_reason
+        store = SnapshotStore(tmp_path / "tight" / "shm", "job", r, r, 1 << 30)
+        assert store.num_slots == wanted and store.inventory(verify=True).committed == 3
+        store.close()
+    assert all(len(s) == 4 for s in states)
