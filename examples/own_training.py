@@ -1,6 +1,7 @@
 """Using baft from your own torch.distributed.pipelining training script.
 
-Run (2 pipeline ranks on CPU; add --inject to see a crash and an in-memory recovery):
+Run (2 pipeline ranks, on CPU, or one GPU per rank where CUDA is present; add --inject
+to see a crash and an in-memory recovery):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         --max-restarts 2 --log-dir runs/example/logs --redirects 3 \\
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,7 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sha(t: torch.Tensor) -> str:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(raw).hexdigest()
 
 
@@ -102,17 +104,26 @@ def main() -> None:
     p.add_argument("--unprotected", action="store_true", help="the same loop without baft")
     a = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():  # one GPU per local rank (baft picks the same device)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        # bit-identical trajectories on GPUs need deterministic kernels, baft or not
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = make_stage(rank, world)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    module = make_stage(rank, world).to(device)
+    stage = PipelineStage(module, rank, world, device)
     schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, nesterov=True)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=a.iterations)
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], milestones=[3])
     sampler = ShuffleSampler(DATASET, BATCH, seed=7)  # every stage reads the same batches
-    inputs, labels = dataset()
+    inputs, labels = (t.to(device) for t in dataset())
     torch.manual_seed(99)  # the dropout masks' sequence
 
     start, ft = 0, None
@@ -164,6 +175,8 @@ def main() -> None:
         "sampler": sampler.state_dict(),
         "rng": sha(torch.get_rng_state()),
     }
+    if device.type == "cuda":  # dropout draws from the device's generator there
+        state["cuda_rng"] = sha(torch.cuda.get_rng_state(device))
     (out / f"state.rank{rank}.json").write_text(json.dumps(state, indent=1))
     if rank == world - 1:
         (out / f"losses.attempt{start}.json").write_text(json.dumps(losses))

@@ -139,11 +139,12 @@ def command_line(a: argparse.Namespace) -> str:
 
 def _print_table(result: dict[str, Any]) -> None:
     print(f"sync_snapshot_fraction: {result['sync_snapshot_fraction']:.3f} ({result['compute']})")
-    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
+    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'wall ratio':>10} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
     for name, m in result["modes"].items():
         frac = m["in_bubble_fraction"]
         print(
             f"{name:<12} {m['median_iter_s'] * 1e3:9.1f} {m['ratio_vs_none']:7.3f} "
+            f"{m['wall_ratio_vs_none']:10.3f} "
             f"{m['exposed_s'] * 1e3:11.1f} {'-' if frac is None else f'{frac:.2f}':>10} "
             f"{m['bytes_per_iter'] / 2**20:9.1f}"
         )

@@ -45,9 +45,11 @@ from baft.engine.planning import (
     REPLAN_AFTER_CHECKPOINTS,
     SPILL,
     SnapshotSchedule,
+    auto_k,
     calibrate,
     gather_plan_input,
     load_plan_input,
+    plan_of,
     replan_rate,
     save_plan_input,
 )
@@ -59,8 +61,7 @@ from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.cost import CostModel
 from baft.plan.inputs import bmap_from_json, layout_from_json
-from baft.plan.payload import PayloadLayout, auto_full_every
-from baft.plan.planner import plan as make_plan
+from baft.plan.payload import PayloadLayout
 from baft.plan.types import CheckpointPlan, StateLayout, Task
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
@@ -246,7 +247,11 @@ class CheckpointEngine:
             self._plan_from(saved, source="saved profile")
 
     def _gather_and_plan(self) -> None:
-        cost = calibrate(self.ck.cost) if self.rank == 0 else None
+        cost = (
+            calibrate(self.ck.cost, hashes_on_copy=self.device.type != "cuda")
+            if self.rank == 0
+            else None
+        )
         plan_input = gather_plan_input(
             self.transport, self.rank, self._profile, self.layout(), cost,
             self.topology.world_size,
@@ -278,7 +283,7 @@ class CheckpointEngine:
         before = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
         if self.k > 1:
             trial = {**self._plan_input, "cost": {**self._plan_input["cost"], "copy_Bps": rate}}
-            moved = self._planned(trial, self.k).ranks
+            moved = plan_of(trial, self.k, self.policy).ranks
             if any((p.owned_start, p.owned_stop) != before[r] for r, p in moved.items()):
                 # Differential versions rebuild from a whole window of payloads of one
                 # layout: moving the shard boundaries would forget the rotation and leave
@@ -314,13 +319,9 @@ class CheckpointEngine:
         self._plan_input = plan_input
         self._checkpoints_since_plan = 0
         self._observed = (0, 0.0)
-        bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
-        layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
-        if layouts[self.rank] != self.layout():
+        if layout_from_json(ranks[self.rank]["layout"]) != self.layout():
             raise RuntimeError(f"rank {self.rank}: saved plan input does not match this model")
-        k = self._choose_k(
-            bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), plan_input
-        )
+        k = self._choose_k(plan_input)
         if k != self.k and self.plan is not None:  # a new rotation: old payloads do not mix
             self.store.clear_versions()
             self.votes.adopt(None)
@@ -337,7 +338,7 @@ class CheckpointEngine:
             self.payload = PayloadViews(payload, self.state.named_tensors())
         else:
             self.payload = None
-        plan = self._planned(plan_input, k)
+        plan = plan_of(plan_input, k, self.policy)
         self.plan = plan
         self.source = self.payload.flat(0, None) if self.payload is not None else self.flat
         self.schedule = SnapshotSchedule.of(plan, self.rank, self.source)
@@ -359,7 +360,7 @@ class CheckpointEngine:
         )
         self.plan_iteration = -1
         if self.termination is not None:  # a SIGTERM flush comes within ~2 iterations
-            self._iteration_s = max(b.iteration_s for b in bubbles.values())
+            self._iteration_s = max(bmap_from_json(d["bubbles"]).iteration_s for d in ranks)
             self._set_grace(self._iteration_s)  # the profiled iteration, until one is timed
         paths = self.exchange.paths()
         via = (
@@ -368,32 +369,10 @@ class CheckpointEngine:
         )
         log.info("checkpoint plan (%s): %s; %s; %s", source, plan.reason, self._k_reason, via)
 
-    def _planned(self, plan_input: dict[str, Any], k: int) -> CheckpointPlan:
-        """The plan of ``plan_input`` with full_every ``k`` (pure: every rank computes the
-        same from the same input); with ``k > 1`` the planned bytes are each rank's payload."""
-        ranks = plan_input["ranks"]
-        bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
-        layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
-        if k > 1:
-            layouts = {
-                r: StateLayout(
-                    rank=r, tensors=PayloadLayout.of(lay.tensors, k).specs(), replicas=lay.replicas
-                )
-                for r, lay in layouts.items()
-            }
-        return make_plan(
-            bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), self.policy
-        )
-
-    def _choose_k(
-        self,
-        bubbles: dict[int, Any],
-        layouts: dict[int, StateLayout],
-        cost: CostModel,
-        plan_input: dict[str, Any],
-    ) -> int:
-        """full_every of this plan: the policy's, or with ``auto`` the largest any rank's
-        bubbles need (the same on every rank: a function of the shared plan inputs)."""
+    def _choose_k(self, plan_input: dict[str, Any]) -> int:
+        """full_every of this plan: kept by a re-plan or a restored rotation, else the
+        policy's, or with ``auto`` what the bubbles and the memory budget allow (see
+        :func:`baft.engine.planning.auto_k`; the same on every rank)."""
         if self.plan is not None:  # a re-plan keeps k: a new rotation would open a gap
             return self.k
         if self.records is None:
@@ -405,40 +384,10 @@ class CheckpointEngine:
         if self.policy.full_every >= 1:
             self._k_reason = f"full_every={self.policy.full_every} (configured)"
             return self.policy.full_every
-        fanout = {"none": 0.0, "replicate": float(self.redundancy.k)}.get(self.redundancy.kind, 1.0)
-        choices = {
-            r: auto_full_every(
-                lay.tensors, bubbles[r].capacity_s(), cost.copy_Bps, cost.net_Bps, fanout
-            )
-            for r, lay in layouts.items()
-        }
-        worst = max(choices, key=lambda r: (choices[r][0], -r))
-        self._k_reason = f"auto, rank {worst}: {choices[worst][1]}"
-        k = choices[worst][0]
-        # A larger k keeps more in the store (k+1 payload slots, each with a gradient
-        # record): step down to the largest k whose store fits every rank's budget (fewer
-        # bytes fit in the bubbles, but the job runs). At k=1 an over-budget store fails
-        # with MemoryBudgetError at allocation, saying what to change.
-        wanted = k
-        while k > 1 and self._store_bytes(plan_input, k) > self.ck.budget_bytes:
-            k -= 1
-        if k != wanted:
-            self._k_reason += (
-                f"; lowered to full_every={k}: with {wanted} the store would exceed "
-                f"budget_bytes={self.ck.budget_bytes:,}"
-            )
-        return k
-
-    def _store_bytes(self, plan_input: dict[str, Any], k: int) -> int:
-        """The most host memory any rank's store needs under the plan with ``k`` (the
-        same on every rank: a function of the shared plan inputs)."""
-        plan = self._planned(plan_input, k)
-        shards = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
-        red = group_layouts(self.topology, self.redundancy, shards)
-        return max(
-            SnapshotStore.required_bytes(shards[r], red[r].redundancy_nbytes(r), max(2, k + 1))
-            for r in shards
+        k, self._k_reason = auto_k(
+            plan_input, self.policy, self.topology, self.redundancy, self.ck.budget_bytes
         )
+        return k
 
     def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
         """Allocate the store; collective, so that a rank over its memory budget (or a

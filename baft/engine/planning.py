@@ -19,10 +19,21 @@ from typing import Any
 from baft.engine.flat import FlatState, Piece
 from baft.engine.transport import Transport
 from baft.plan.cost import CostModel
-from baft.plan.inputs import PLAN_INPUT_FILE, bmap_to_json, layout_to_json
-from baft.plan.types import CheckpointPlan, StateLayout, Task, TaskKind
+from baft.plan.inputs import (
+    PLAN_INPUT_FILE,
+    bmap_from_json,
+    bmap_to_json,
+    layout_from_json,
+    layout_to_json,
+)
+from baft.plan.payload import PayloadLayout, auto_full_every
+from baft.plan.planner import plan as make_plan
+from baft.plan.types import CheckpointPlan, CheckpointPolicy, StateLayout, Task, TaskKind
 from baft.profile.bubbles import bubble_map
 from baft.profile.timeline import parse_record
+from baft.store.coding import Redundancy, group_layouts
+from baft.store.shm import SnapshotStore
+from baft.topology import Topology
 
 SPILL = "__spill__"
 """Pseudo-slot of the snapshot tasks that fit no bubble."""
@@ -98,13 +109,25 @@ def save_plan_input(run_dir: Path, plan_input: dict[str, Any]) -> None:
     tmp.replace(run_dir / PLAN_INPUT_FILE)
 
 
-def calibrate(configured: dict[str, float] | None) -> dict[str, float]:
-    """The cost model: configured values, else a ~1 s micro-benchmark on this machine."""
+CALIBRATE_NBYTES = 64 << 20
+"""Buffer of the start-up micro-benchmark: past the private caches (a snapshot streams the
+state from memory; an 8 MiB buffer measured the cache here, 1.7x the memory's rate)."""
+
+
+def calibrate(configured: dict[str, float] | None, *, hashes_on_copy: bool) -> dict[str, float]:
+    """The cost model: configured values, else a ~1 s micro-benchmark on this machine.
+
+    ``hashes_on_copy``: the snapshot copier hashes every block as it copies it (host
+    copiers: :func:`baft.engine.device.copy_hash`), so a snapshot byte costs a copy and a
+    hash, and ``copy_Bps`` is that combined rate (what the re-plan later measures)."""
     if configured:
         return dict(configured)
     from baft.profile.calibrate import measure_cost_model
 
-    return measure_cost_model(8 << 20, repeats=2)
+    cost = measure_cost_model(CALIBRATE_NBYTES, repeats=2, persist_nbytes=8 << 20)
+    if hashes_on_copy:
+        cost["copy_Bps"] = 1.0 / (1.0 / cost["copy_Bps"] + 1.0 / cost["hash_Bps"])
+    return cost
 
 
 def replan_rate(plan_input: dict[str, Any], rates: list[float | None]) -> float | None:
@@ -120,3 +143,76 @@ def replan_rate(plan_input: dict[str, Any], rates: list[float | None]) -> float 
     rate = min(measured)
     assumed = float(plan_input["cost"].get("copy_Bps", CostModel().copy_Bps))
     return None if 0.8 <= rate / assumed <= 1.25 else rate
+
+
+def plan_of(plan_input: dict[str, Any], k: int, policy: CheckpointPolicy) -> CheckpointPlan:
+    """The plan of ``plan_input`` with full_every ``k`` (pure: every rank computes the
+    same from the same input); with ``k > 1`` the planned bytes are each rank's payload."""
+    ranks = plan_input["ranks"]
+    bubbles = {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)}
+    layouts = {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)}
+    if k > 1:
+        layouts = {
+            r: StateLayout(
+                rank=r, tensors=PayloadLayout.of(lay.tensors, k).specs(), replicas=lay.replicas
+            )
+            for r, lay in layouts.items()
+        }
+    return make_plan(bubbles, layouts, CostModel.from_measurements(plan_input["cost"]), policy)
+
+
+def store_bytes(
+    plan_input: dict[str, Any],
+    k: int,
+    policy: CheckpointPolicy,
+    topology: Topology,
+    redundancy: Redundancy,
+) -> int:
+    """The most host memory any rank's store needs under the plan with full_every ``k``:
+    ``max(2, k + 1)`` slots of its shard and its redundancy (as the engine allocates)."""
+    plan = plan_of(plan_input, k, policy)
+    shards = {r: p.owned_stop - p.owned_start for r, p in plan.ranks.items()}
+    red = group_layouts(topology, redundancy, shards)
+    return max(
+        SnapshotStore.required_bytes(shards[r], red[r].redundancy_nbytes(r), max(2, k + 1))
+        for r in shards
+    )
+
+
+def auto_k(
+    plan_input: dict[str, Any],
+    policy: CheckpointPolicy,
+    topology: Topology,
+    redundancy: Redundancy,
+    budget_bytes: int,
+) -> tuple[int, str]:
+    """``full_every=auto``: the largest k any rank's bubbles need
+    (:func:`baft.plan.payload.auto_full_every`), stepped down while some rank's store
+    would exceed ``budget_bytes`` (k+1 payload slots, each with a gradient record, grow
+    with k: fewer bytes fit the bubbles, but the job runs). At k=1 an over-budget store
+    fails at allocation with ``MemoryBudgetError``, which says what to change. Returns
+    ``(k, reason)``; the same on every rank."""
+    cost = CostModel.from_measurements(plan_input["cost"])
+    fanout = {"none": 0.0, "replicate": float(redundancy.k)}.get(redundancy.kind, 1.0)
+    choices = {
+        r: auto_full_every(
+            layout_from_json(d["layout"]).tensors,
+            bmap_from_json(d["bubbles"]).capacity_s(),
+            cost.copy_Bps,
+            cost.net_Bps,
+            fanout,
+        )
+        for r, d in enumerate(plan_input["ranks"])
+    }
+    worst = max(choices, key=lambda r: (choices[r][0], -r))
+    wanted, why = choices[worst]
+    k = wanted
+    while k > 1 and store_bytes(plan_input, k, policy, topology, redundancy) > budget_bytes:
+        k -= 1
+    reason = f"auto, rank {worst}: {why}"
+    if k != wanted:
+        reason += (
+            f"; lowered to full_every={k}: with {wanted} the store would exceed "
+            f"budget_bytes={budget_bytes:,}"
+        )
+    return k, reason

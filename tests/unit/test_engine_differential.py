@@ -15,7 +15,7 @@ from baft.config import CheckpointConfig
 from baft.engine.device import HostCopy, ThreadCopy
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.local_transport import LocalTransport
-from baft.engine.planning import save_plan_input
+from baft.engine.planning import save_plan_input, store_bytes
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.inputs import bmap_to_json, layout_to_json
@@ -208,7 +208,11 @@ def test_auto_steps_full_every_down_to_fit_the_memory_budget(tmp_path: Path) -> 
     assert wanted > 1 and all(e.k == wanted for e in free)
     plan_input = free[0]._plan_input
     assert plan_input is not None
-    need = {k: free[0]._store_bytes(plan_input, k) for k in (wanted - 1, wanted)}
+    e = free[0]
+    need = {
+        k: store_bytes(plan_input, k, e.policy, e.topology, e.redundancy)
+        for k in (wanted - 1, wanted)
+    }
     assert need[wanted - 1] < need[wanted]  # more slots, each with a record
     engines, models = _build(tmp_path / "tight", "auto", idle_s=1e-7, budget=need[wanted - 1])
     states = _train(engines, models, 4)
