@@ -136,13 +136,16 @@ class PayloadLayout:
         )
 
 
-AUTO_FILL = 0.5
+AUTO_FILL = 0.25
 """Share of the profiled bubble capacity ``full_every=auto`` lets a payload fill. Bubbles
-are profiled without checkpoint traffic, and a snapshot next to a computing neighbour
-copies 1.5-2x slower than alone (measured on 2 cores: 3.4 GB/s in the run against 5-7
-alone); a payload that fills the whole nominal capacity spills past the bubbles. Measured
-with pp=2 and real compute, redundancy=none (146 MiB per rank): full snapshots, which
-"fit" at 82% of the capacity, cost 1.10-1.14x; full_every=8 cost 1.01-1.03x."""
+are profiled without checkpoint traffic, and a copy inside one is not free: it slows the
+neighbour rank's compute through memory bandwidth and caches (on 2 cores a snapshot copied
+at 3.4 GB/s in the run against 5-7 alone), and with emulated compute copies placed late in
+an iteration overlap the optimizer steps. Measured (pp=2, 146 MiB of state per rank,
+redundancy=none, 2026-12-05): with real compute, full snapshots (which nominally filled
+82% of the capacity) cost 1.10-1.14x, full_every=3 (the choice at a share of 0.5) 1.08x,
+full_every=8 1.01-1.03x; with emulated compute full_every=2-3 cost 1.01-1.04x against
+naive-async's 1.01, full_every=8 1.006x. 0.25 picks 8 for both."""
 
 
 def auto_full_every(
@@ -172,4 +175,4 @@ def auto_full_every(
         if g is not None:
             groups[g] = groups.get(g, 0) + s.nbytes
     k, why = choose_full_every(record, list(groups.values()), capacity, max_k)
-    return k, f"{why} (auto counts {AUTO_FILL:.0%} of the bubbles' capacity)"
+    return k, f"{why} (auto counts {AUTO_FILL:.0%} of the bubbles' capacity: AUTO_FILL)"
