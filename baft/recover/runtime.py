@@ -331,9 +331,11 @@ def _replay_window(
 
 def _young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
     """``(first_version, newest, k)`` when the stores hold only the differential rotation
-    the job began with (first version before ``began_by``: profiling plus one interval),
-    not a whole window old yet: no version was ever rebuildable, so starting over loses
-    only the iterations since the job began. None otherwise."""
+    the job began with (first version before ``began_by``: profiling plus one interval)
+    and no committed version of it is a whole window old: no version was ever
+    rebuildable, so starting over loses only the iterations since the job began. A newer
+    version written but never committed (the crash came during its exchange) does not
+    count: it was never restorable. None otherwise."""
     from baft.recover.differential import window_of
 
     meta = _diff_meta(located)
@@ -341,7 +343,11 @@ def _young_first_rotation(located: Located, began_by: int) -> tuple[int, int, in
         return None
     newest = max(meta)
     k, first = int(meta[newest]["k"]), int(meta[newest]["first_version"])
-    if first >= began_by or window_of(newest, k, first) is not None:
+    told = [x.inventory.committed for x in located.stores if x.inventory.committed is not None]
+    committed = max(told) if told else None  # the newest any rank was told was committed
+    if first >= began_by:
+        return None
+    if committed is not None and committed >= first and window_of(committed, k, first) is not None:
         return None
     return first, newest, k
 

@@ -31,7 +31,9 @@ def _config(
         )
     if store is not None:
         cfg.checkpoint = CheckpointConfig(
-            policy=CheckpointPolicy(redundancy="xor:2", persist_every=0),
+            # full snapshots: the byte accounting below is per whole shard (auto's k
+            # follows the measured bubbles)
+            policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=1),
             profile_iters=2,
             store_root=str(store),
             inject=inject,

@@ -105,6 +105,10 @@ def _run_group(
         ("replicate:2", 3, [33_000, 35_000, 30_000]),
         ("xor:3", 3, [30_000, 30_000, 29_000]),
         ("rs:2+1", 3, [20_000, 21_000, 20_500]),
+        # empty segments (a rank with no bytes, or a shard split short): no piece carries
+        # them, and encoding must still run (it raised KeyError in finish())
+        ("rs:2+2", 4, [10_000, 0, 10_000, 5_000]),
+        ("xor:2", 2, [40_000, 0]),
     ],
 )
 def test_same_host_and_network_paths_give_identical_redundancy(

@@ -406,20 +406,36 @@ def test_a_job_that_ended_before_its_first_checkpoint_starts_over_loudly(
 
 
 @pytest.mark.parametrize(
-    ("first", "newest", "began_by", "allowed"),
+    ("first", "newest", "committed", "began_by", "allowed"),
     [
-        (2, 3, 3, True),  # the job's first rotation (from v2, k=3): v4 would be the first
-        (2, 4, 3, False),  # v4 is a whole window old: it should have been rebuildable
-        (7, 8, 3, False),  # a rotation that began later (after a DCP restore): refuse
+        (2, 3, 3, 3, True),  # the job's first rotation (from v2, k=3): v4 would be the first
+        (2, 4, 4, 3, False),  # v4 committed a whole window old: it should have been rebuildable
+        (2, 4, 3, 3, True),  # v4 written but never committed (a crash in its exchange)
+        (2, 4, None, 3, True),  # nothing ever committed
+        (7, 8, 8, 3, False),  # a rotation that began later (after a DCP restore): refuse
     ],
 )
 def test_only_the_first_young_rotation_lets_a_job_start_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, first, newest, began_by, allowed
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog,
+    first: int,
+    newest: int,
+    committed: int | None,
+    began_by: int,
+    allowed: bool,
 ) -> None:
     import baft.recover.runtime as runtime
 
     caplog.set_level(logging.INFO, logger="baft")
     run_dir, located = _fresh_inputs(tmp_path, newest, shards=True)
+    located = Located(
+        located.hosts,
+        [
+            dataclasses.replace(x, inventory=dataclasses.replace(x.inventory, committed=committed))
+            for x in located.stores
+        ],
+    )
     meta = {v: {"k": 3, "first_version": first} for v in range(first, newest + 1)}
     monkeypatch.setattr(runtime, "_diff_meta", lambda _: meta)
     if not allowed:
