@@ -53,7 +53,7 @@ def _config(out: Path, store: Path, inject: list[str] | None = None) -> TrainCon
         ranks_per_node=1,
     )
     cfg.checkpoint = CheckpointConfig(
-        policy=CheckpointPolicy(redundancy="xor:2", persist_every=0),
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=1),
         profile_iters=2,
         store_root=str(store),
         inject=inject or [],
