@@ -399,8 +399,8 @@ def _never_silently_fresh(
         if rank == 0:
             log.warning(
                 "starting over from iteration 0, losing %d iteration(s): the job's "
-                "differential checkpoints began at v%d and the newest, v%d, is not a whole "
-                "window of %d payloads old yet, so no version was rebuildable",
+                "differential checkpoints began at v%d and no committed version up to v%d "
+                "is a whole window of %d payloads old, so no version was rebuildable",
                 done,
                 first,
                 newest,

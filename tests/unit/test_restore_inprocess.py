@@ -446,8 +446,8 @@ def test_only_the_first_young_rotation_lets_a_job_start_over(
     (rec,) = caplog.records
     assert rec.getMessage() == (
         f"starting over from iteration 0, losing {newest + 1} iteration(s): the job's "
-        f"differential checkpoints began at v{first} and the newest, v{newest}, is not a "
-        "whole window of 3 payloads old yet, so no version was rebuildable"
+        f"differential checkpoints began at v{first} and no committed version up to "
+        f"v{newest} is a whole window of 3 payloads old, so no version was rebuildable"
     )
 
 
