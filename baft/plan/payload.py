@@ -142,10 +142,11 @@ are profiled without checkpoint traffic, and a copy inside one is not free: it s
 neighbour rank's compute through memory bandwidth and caches (on 2 cores a snapshot copied
 at 3.4 GB/s in the run against 5-7 alone), and with emulated compute copies placed late in
 an iteration overlap the optimizer steps. Measured (pp=2, 146 MiB of state per rank,
-redundancy=none, 2026-12-05): with real compute, full snapshots (which nominally filled
-82% of the capacity) cost 1.10-1.14x, full_every=3 (the choice at a share of 0.5) 1.08x,
-full_every=8 1.01-1.03x; with emulated compute full_every=2-3 cost 1.01-1.04x against
-naive-async's 1.01, full_every=8 1.006x. 0.25 picks 8 for both."""
+redundancy=none, 2026-12-05, paired wall ratios): with real compute, full snapshots (which
+nominally filled 82% of the capacity) cost 1.11-1.17x, full_every=3 (the choice at a share
+of 0.5) 1.09x, full_every=8 1.01-1.08x (mean 1.033 over five launches, naive-async 1.083);
+with emulated compute full_every=2-3 cost 0.9% more than naive-async, full_every=8 is level
+with it. 0.25 picks 8 for both."""
 
 
 def auto_full_every(
