@@ -63,6 +63,7 @@ from baft.plan.cost import CostModel
 from baft.plan.inputs import bmap_from_json, layout_from_json
 from baft.plan.payload import PayloadLayout
 from baft.plan.types import CheckpointPlan, StateLayout, Task
+from baft.store import reclaim
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
 from baft.store.peer import PeerStore
@@ -700,7 +701,7 @@ class CheckpointEngine:
             return
         topo = self.topology
         own = {(topo.node_of(r), r) for r in range(topo.world_size)}
-        freed = SnapshotStore.reclaim_foreign(self.store.root, self.ck.job_id, own, version)
+        freed = reclaim.reclaim_foreign(self.store.root, self.ck.job_id, own, version)
         if freed:
             log.info("freed %d store(s) of an earlier rank numbering: %s", len(freed), freed)
 

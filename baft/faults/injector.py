@@ -27,6 +27,7 @@ from baft.faults.spec import (
     FaultSpec,
     parse_records,
 )
+from baft.store import reclaim
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 
@@ -186,10 +187,10 @@ class FaultInjector:
         if spec.kind == "kill":
             self.kill_self()
         elif spec.kind == "node":
-            SnapshotStore.remove_node(self.store_root, self.job_id, node)
+            reclaim.remove_node(self.store_root, self.job_id, node)
             self.kill_self()
         elif spec.kind == "power":
-            SnapshotStore.remove_job(self.store_root, self.job_id)
+            reclaim.remove_job(self.store_root, self.job_id)
             self.kill_self()
         elif spec.kind == "delete":
             self._store().destroy()

@@ -57,6 +57,7 @@ from baft.recover.report import (
     progress_seen,
     report_hang,
 )
+from baft.store import reclaim
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, checksum
 from baft.store.shm import SnapshotStore, StoreReadError, find_stores, job_path
@@ -435,7 +436,7 @@ def _reclaim(
     version, until the job's own stores commit a newer one and ``reclaim_foreign`` frees
     it); after DCP or a fresh start, all of them. The own store of a current rank is left
     to its engine. Stores of other jobs on this host that no live process holds and that
-    were idle long enough go too (``SnapshotStore.reclaim_other_jobs``). Collective (one
+    were idle long enough go too (``reclaim.reclaim_other_jobs``). Collective (one
     small gather as a barrier); the host's lowest rank removes."""
     transport.all_gather_object(None)  # every rank has read what it needs
     host = stores.host
@@ -450,7 +451,7 @@ def _reclaim(
             continue  # a current rank's own store on this host
         if stores.get(ref).reclaim_unless_holding(keep_version):
             removed.append(str(ref))
-    old_jobs = SnapshotStore.reclaim_other_jobs(stores.own.root, stores.own.job_id)
+    old_jobs = reclaim.reclaim_other_jobs(stores.own.root, stores.own.job_id)
     removed += [f"{host}:{p.name}" for p in old_jobs]
     if removed:
         log.info("reclaimed %d store(s) no rank needs any more: %s", len(removed), removed)

@@ -27,7 +27,6 @@ import mmap
 import os
 import re
 import shutil
-import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -611,57 +610,6 @@ class SnapshotStore:
         return False
 
     @staticmethod
-    def reclaim_foreign(
-        root: Path, job_id: str, own: set[tuple[int, int]], newer_than: int
-    ) -> list[Path]:
-        """Remove the job's stores under ``root`` other than the ``own`` ``(node, rank)``
-        directories when they hold nothing newer than ``newer_than`` (call after the
-        job's own stores committed ``newer_than``: copies kept from a restore are then
-        provably unneeded). Returns what was removed."""
-        removed = []
-        for a in find_stores(job_path(root, job_id)):
-            if (a.node, a.rank) in own:
-                continue
-            store = SnapshotStore(a.root, a.job_id, a.node, a.rank, 0)
-            versions = [_try(store.read_manifest, s) for s in range(store.num_slots)]
-            if all(m is None or m.version <= newer_than for m in versions):
-                store.destroy()
-                removed.append(store.path)
-        return removed
-
-    @staticmethod
-    def reclaim_other_jobs(root: Path, keep_job_id: str, idle_s: float = 3600.0) -> list[Path]:
-        """Remove stores of other jobs under ``root`` that no live process holds (the
-        allocation lock is free in every rank directory) and whose files nobody changed for
-        ``idle_s`` seconds (a job between torchrun restarts holds no lock for a moment, but
-        was written to moments ago). Returns the job directories removed."""
-        removed: list[Path] = []
-        root = Path(root)
-        if not root.is_dir():
-            return removed
-        now = time.time()
-        for job in sorted(root.iterdir()):
-            if job.name == keep_job_id or job.is_symlink() or not _is_job_dir(job):
-                continue
-            files = [f for f in job.rglob("*") if f.is_file()]
-            newest = max((f.stat().st_mtime for f in files), default=0.0)
-            if now - newest < idle_s or any(_locked(f) for f in files if f.name == PROGRESS_FILE):
-                continue
-            shutil.rmtree(job, ignore_errors=True)
-            removed.append(job)
-        return removed
-
-    @staticmethod
-    def remove_node(root: Path, job_id: str, node: int) -> None:
-        """Remove every rank store of one node of a job (simulates losing the node)."""
-        shutil.rmtree(node_path(root, job_id, node), ignore_errors=True)
-
-    @staticmethod
-    def remove_job(root: Path, job_id: str) -> None:
-        """Remove every store of a job (simulates losing all host memory)."""
-        shutil.rmtree(job_path(root, job_id), ignore_errors=True)
-
-    @staticmethod
     def cleanup_stale(root: Path, keep_job_id: str) -> list[Path]:
         """Remove other jobs' store directories under ``root``; returns what was removed.
 
@@ -726,18 +674,3 @@ def _load_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{path}: not a baft record of format {FORMAT}")
     return obj
-
-
-def _locked(path: Path) -> bool:
-    """Whether some live process holds the store lock on ``path`` (see ``_map_progress``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the probe's own lock
-    return False

@@ -306,19 +306,24 @@ def _crafted_plan_input(profiled: dict[str, Any], num_dp: int) -> dict[str, Any]
 
 def _owned(plan_input: dict[str, Any]) -> dict[int, tuple[int, int]]:
     """Owned byte range per rank of the plan the engine makes from ``plan_input``."""
-    from baft.plan.cost import CostModel
-    from baft.plan.inputs import bmap_from_json, layout_from_json
-    from baft.plan.planner import plan
+    from baft.engine.planning import plan_of
     from baft.plan.types import CheckpointPolicy
 
-    ranks = plan_input["ranks"]
-    p = plan(
-        {r: bmap_from_json(d["bubbles"]) for r, d in enumerate(ranks)},
-        {r: layout_from_json(d["layout"]) for r, d in enumerate(ranks)},
-        CostModel.from_measurements(plan_input["cost"]),
-        CheckpointPolicy(redundancy="xor:2", persist_every=0),
-    )
+    p = plan_of(plan_input, 1, CheckpointPolicy(redundancy="xor:2", persist_every=0))
     return {r: (rp.owned_start, rp.owned_stop) for r, rp in p.ranks.items()}
+
+
+def _run_crafted(
+    tmp_path: Path, store: Path, name: str, inject: str, **ck: Any
+) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """Profile, then run 12 iterations from :func:`_crafted_plan_input` with ``inject``:
+    the run directory, the crafted plan input and the job's results."""
+    profiled = run_job(_config(tmp_path / "profile", store, [], iterations=2, profile_iters=1))
+    crafted = _crafted_plan_input(
+        json.loads((profiled["out"] / PLAN_INPUT_FILE).read_text()), num_dp=2
+    )
+    run = tmp_path / name
+    return run, crafted, run_job(_config(run, store, [inject], **ck), plan_input=crafted)
 
 
 @pytest.mark.slow  # three launches (~3 min here): `make test-all`
@@ -329,16 +334,10 @@ def test_replan_that_moves_shard_boundaries_then_recovery_is_bit_exact(
     than the plan assumed) moves the DP shard boundaries: every store must forget its
     versions (a gap in the committed sequence) and the next versions commit under the new
     layout, from which a crash after the re-plan restores bit-exactly."""
-    profiled = run_job(_config(tmp_path / "profile", store, [], iterations=2, profile_iters=1))
-    crafted = _crafted_plan_input(
-        json.loads((profiled["out"] / PLAN_INPUT_FILE).read_text()), num_dp=2
-    )
-    run = tmp_path / "replan"
-    # full snapshots (full_every=1): with the crafted costs full_every=auto picks a
+    # full snapshots (_config's default): with the crafted costs full_every=auto picks a
     # differential window of 8, from which v6 could not be rebuilt yet
-    failed = run_job(
-        _config(run, store, ["kill:rank=1,iter=7,at=iteration"], full_every=1),
-        plan_input=crafted,
+    run, crafted, failed = _run_crafted(
+        tmp_path, store, "replan", "kill:rank=1,iter=7,at=iteration"
     )
     assert_same_training(failed, reference, 12)
 
@@ -367,14 +366,8 @@ def test_differential_keeps_its_layout_rather_than_replan_and_restores_the_first
     shard boundaries would forget v0..v2 and leave v3 unrebuildable, so the engine keeps
     its plan (the saved plan input keeps the assumed rate), and a crash at iteration 4
     restores v3 from the rotation's first whole window (v0..v3)."""
-    profiled = run_job(_config(tmp_path / "profile", store, [], iterations=2, profile_iters=1))
-    crafted = _crafted_plan_input(
-        json.loads((profiled["out"] / PLAN_INPUT_FILE).read_text()), num_dp=2
-    )
-    run = tmp_path / "kept"
-    failed = run_job(
-        _config(run, store, ["kill:rank=1,iter=4,at=iteration"], full_every=4),
-        plan_input=crafted,
+    run, _, failed = _run_crafted(
+        tmp_path, store, "kept", "kill:rank=1,iter=4,at=iteration", full_every=4
     )
     assert_same_training(failed, reference, 12)
     kept = json.loads((run / PLAN_INPUT_FILE).read_text())

@@ -39,6 +39,7 @@ from baft.recover.runtime import (
     _rebuild_shard,
     _reclaim,
 )
+from baft.store import reclaim
 from baft.store.coding import GroupLayout, Redundancy, group_layouts
 from baft.store.manifest import Manifest, chunk_records, region_records
 from baft.store.shm import SnapshotStore
@@ -298,7 +299,7 @@ def test_renumbered_ranks_take_their_shards_from_the_other_host(tmp_path: Path) 
     a_rank0 = SnapshotStore(tmp_path / "a", JOB, 0, 0, 0)
     assert sorted(m.version for s in (0, 1) if (m := a_rank0.read_manifest(s))) == [1, 2]
     assert a_rank0.committed_version() == 2
-    removed = SnapshotStore.reclaim_foreign(tmp_path / "a", JOB, {(1, 2), (1, 3)}, newer_than=2)
+    removed = reclaim.reclaim_foreign(tmp_path / "a", JOB, {(1, 2), (1, 3)}, newer_than=2)
     assert sorted(p.name for p in removed) == ["rank0", "rank1"] and _dirs(tmp_path / "a") == []
 
 
@@ -310,7 +311,7 @@ def test_replacement_host_sorting_first_rebuilds_from_parity_on_the_survivor(
     shards 0,1 are rebuilt from the xor parity b holds, by ranks 0,1 on b itself (their
     inputs sit in b's memory: no message)."""
     red = _write_on_hosts(tmp_path, "xor:2")
-    SnapshotStore.remove_job(tmp_path / "a", JOB)
+    reclaim.remove_job(tmp_path / "a", JOB)
     hosts = {0: "b", 1: "b", 2: "c", 3: "c"}
     got = _restore_on_hosts(tmp_path, red, hosts)
     plan = got[0]["plan"]

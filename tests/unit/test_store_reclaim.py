@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from baft.store import reclaim
 from baft.store.manifest import Manifest, chunk_records
 from baft.store.shm import SnapshotStore
 
@@ -71,7 +72,7 @@ def test_reclaim_foreign_frees_copies_once_a_newer_version_is_committed(tmp_path
     _store_with(tmp_path, "job", 0, 0, (4,))  # a copy kept from the restore of v4
     _store_with(tmp_path, "job", 0, 1, (4, 6))  # an old directory holding something newer
     _store_with(tmp_path, "job", 1, 2, (5, 6))  # this host's own store now
-    removed = SnapshotStore.reclaim_foreign(tmp_path, "job", {(1, 2)}, newer_than=5)
+    removed = reclaim.reclaim_foreign(tmp_path, "job", {(1, 2)}, newer_than=5)
     assert [p.name for p in removed] == ["rank0"]
     assert _dirs(tmp_path) == ["node0/rank1", "node1/rank2"]
 
@@ -85,13 +86,13 @@ def test_other_jobs_are_reclaimed_only_when_idle_and_unlocked(tmp_path: Path) ->
     hour_ago = time.time() - 7200
     for f in tmp_path.rglob("*"):
         os.utime(f, (hour_ago, hour_ago))
-    assert SnapshotStore.reclaim_other_jobs(tmp_path, "job", idle_s=3600) == [tmp_path / "old"]
+    assert reclaim.reclaim_other_jobs(tmp_path, "job", idle_s=3600) == [tmp_path / "old"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "live"]
     live.close()  # the process ends: its lock goes with it
     for f in tmp_path.rglob("*"):
         os.utime(f, (hour_ago, hour_ago))
-    assert SnapshotStore.reclaim_other_jobs(tmp_path, "job", idle_s=3600) == [tmp_path / "live"]
+    assert reclaim.reclaim_other_jobs(tmp_path, "job", idle_s=3600) == [tmp_path / "live"]
     # a job written to moments ago (between torchrun restarts: no lock) stays
     _store_with(tmp_path, "restarting", 0, 0, (1,))
-    assert SnapshotStore.reclaim_other_jobs(tmp_path, "job", idle_s=3600) == []
+    assert reclaim.reclaim_other_jobs(tmp_path, "job", idle_s=3600) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "restarting"]
