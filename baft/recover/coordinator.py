@@ -61,6 +61,18 @@ class LocatedInventory:
     """What it holds."""
 
 
+@dataclass(frozen=True)
+class Located:
+    """What the agreement saw: every rank's host and every store on any host."""
+
+    hosts: dict[int, str]
+    stores: list[LocatedInventory]
+
+    def holds_shards(self) -> bool:
+        """Whether any store holds any version of the job (complete or not)."""
+        return any(loc.inventory.versions for loc in self.stores)
+
+
 @dataclass(frozen=True, slots=True)
 class ShardSource:
     """Where one rank's shard of the chosen version comes from."""

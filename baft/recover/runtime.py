@@ -44,6 +44,7 @@ from baft.engine.peers import host_id
 from baft.engine.persister import list_versions, load_version, persist_name
 from baft.engine.transport import Handle, Transport
 from baft.recover.coordinator import (
+    Located,
     LocatedInventory,
     RecoveryPlan,
     StoreRef,
@@ -51,12 +52,8 @@ from baft.recover.coordinator import (
     reader_of,
 )
 from baft.recover.differential import RestoreError
-from baft.recover.report import (
-    RecoveryReport,
-    completed_iterations,
-    progress_seen,
-    report_hang,
-)
+from baft.recover.report import RecoveryReport, completed_iterations, report_hang
+from baft.recover.startover import diff_meta, never_silently_fresh
 from baft.store import reclaim
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, checksum
@@ -93,7 +90,7 @@ def recover_and_start(
             reason, persisted,
         )  # fmt: skip
     t_inventory = time.time() - t0
-    _never_silently_fresh(
+    never_silently_fresh(
         plan, reason, located, run_dir, ck.allow_fresh_start, engine.rank,
         began_by=ck.profile_iters + ck.policy.every,
     )  # fmt: skip
@@ -122,7 +119,7 @@ def recover_and_start(
         t2 = time.time()
         _load_from_disk(engine, plan, persist_dir)
         engine.store.clear_versions()
-    else:  # starting over (see _never_silently_fresh): no version of before is kept
+    else:  # starting over (see never_silently_fresh): no version of before is kept
         t_transfer = 0.0
         t2 = time.time()
         engine.store.clear_versions()
@@ -187,17 +184,6 @@ class Window:
     plans: tuple[RecoveryPlan, ...]
 
 
-def _diff_meta(located: Located) -> dict[int, dict[str, Any]]:
-    """Version -> its differential meta (k, slice, first_version, ...) from any manifest."""
-    out: dict[int, dict[str, Any]] = {}
-    for loc in located.stores:
-        for x in loc.inventory.versions:
-            d = x.manifest.meta.get("diff") if x.manifest is not None else None
-            if d:
-                out.setdefault(x.version, d)
-    return out
-
-
 def _only(located: Located, version: int) -> list[LocatedInventory]:
     return [
         dataclasses.replace(
@@ -218,7 +204,7 @@ def _window_plans(
     rebuild, with a plan per payload; or None and why each candidate failed."""
     from baft.recover.differential import window_of
 
-    meta = _diff_meta(located)
+    meta = diff_meta(located)
     why: list[str] = []
     for v in sorted((u for u in meta if u <= newest), reverse=True):
         k, first = int(meta[v]["k"]), int(meta[v]["first_version"])
@@ -261,7 +247,7 @@ def _agree_window(
     (verifying the bytes each payload's plan reads; a problem anywhere re-inventories
     with every checksum, as ``_agree`` does), else DCP or a fresh start. Versions of full
     snapshots pass through unchanged (window None). Collective."""
-    if plan.version is None or not _diff_meta(located):
+    if plan.version is None or not diff_meta(located):
         return plan, reason, None
     me = transport.rank
     window, why = _window_plans(topology, redundancy, located, plan.version)
@@ -328,99 +314,6 @@ def _replay_window(
     engine.apply_rng()
     done["seconds"] = round(time.time() - t0, 6)
     return done
-
-
-def _young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
-    """``(first_version, newest, k)`` when the stores hold only the differential rotation
-    the job began with (first version before ``began_by``: profiling plus one interval)
-    and no committed version of it is a whole window old: no version was ever
-    rebuildable, so starting over loses only the iterations since the job began. A newer
-    version written but never committed (the crash came during its exchange) does not
-    count: it was never restorable. None otherwise."""
-    from baft.recover.differential import window_of
-
-    meta = _diff_meta(located)
-    if not meta:
-        return None
-    newest = max(meta)
-    k, first = int(meta[newest]["k"]), int(meta[newest]["first_version"])
-    told = [x.inventory.committed for x in located.stores if x.inventory.committed is not None]
-    committed = max(told) if told else None  # the newest any rank was told was committed
-    if first >= began_by:
-        return None
-    if committed is not None and committed >= first and window_of(committed, k, first) is not None:
-        return None
-    return first, newest, k
-
-
-def _never_silently_fresh(
-    plan: RecoveryPlan,
-    reason: str,
-    located: Located,
-    run_dir: Path,
-    allow_fresh_start: bool,
-    rank: int,
-    *,
-    began_by: int = 0,
-) -> None:
-    """A job that made progress never starts over without saying so: falling back to DCP
-    while stores hold snapshots is logged loudly (with why each memory version failed), and
-    a fresh start after progress raises unless ``allow_fresh_start``, or unless nothing
-    could have been rebuildable yet: the job ended before its first checkpoint (progress
-    within ``began_by`` iterations: profiling plus one interval, and no snapshot), or its
-    only snapshots are the first differential rotation, not a whole window old (see
-    :func:`_young_first_rotation`). Then it starts over, logged, losing only the
-    iterations since the job began. Same outcome on every rank (all see the same plan and
-    run directory)."""
-    shards = located.holds_shards()
-    if plan.source == "disk" and shards and rank == 0:
-        log.warning("snapshots in memory cannot be restored, falling back to DCP: %s", reason)
-    if plan.source != "fresh":
-        return
-    done = progress_seen(run_dir)
-    if not shards and not done:
-        return
-    seen = []
-    if done:
-        seen.append(f"{run_dir} records progress up to iteration {done - 1}")
-    if shards:
-        where = sorted({str(loc.store) for loc in located.stores if loc.inventory.versions})
-        seen.append(f"stores hold snapshots of the job ({', '.join(where)})")
-    if not shards and done <= began_by:
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0, losing %d iteration(s): the job ended "
-                "before its first checkpoint",
-                done,
-            )
-        return
-    young = _young_first_rotation(located, began_by) if shards else None
-    if young is not None and done <= young[1] + 2:
-        first, newest, k = young
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0, losing %d iteration(s): the job's "
-                "differential checkpoints began at v%d and no committed version up to v%d "
-                "is a whole window of %d payloads old, so no version was rebuildable",
-                done,
-                first,
-                newest,
-                k,
-            )
-        return
-    if allow_fresh_start:
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0 as allowed (allow_fresh_start): %s; %s",
-                " and ".join(seen),
-                reason,
-            )
-        return
-    raise RestoreError(
-        f"refusing to start over silently: {' and '.join(seen)}, but nothing can be "
-        f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on, or set "
-        "CheckpointConfig.allow_fresh_start=True to start from iteration 0."
-    )
 
 
 def _reclaim(
@@ -535,18 +428,6 @@ def _agree(
     located = Located(hosts, _gathered(transport.all_gather_object(full)))
     plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
     return plan, reason, located
-
-
-@dataclasses.dataclass(frozen=True)
-class Located:
-    """What the agreement saw: every rank's host and every store on any host."""
-
-    hosts: dict[int, str]
-    stores: list[LocatedInventory]
-
-    def holds_shards(self) -> bool:
-        """Whether any store holds any version of the job (complete or not)."""
-        return any(loc.inventory.versions for loc in self.stores)
 
 
 def _gathered(per_rank: list[Any]) -> list[LocatedInventory]:

@@ -104,8 +104,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
             progress.update(it + 1, m["loss"], m["iter_s"])
-        ft.close()
+        # the final digest exchange is a collective too: keep it under the watchdog
+        # (ft.close() stops it), so a rank that stops here is still detected and killed
         rank_digests = trainer.rank_digests()
+        ft.close()
         digest = combine_digests(rank_digests)
     finally:
         progress.close()

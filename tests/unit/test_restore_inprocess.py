@@ -35,10 +35,10 @@ from baft.recover.runtime import (
     RestoreError,
     _agree,
     _exchange_replicas,
-    _never_silently_fresh,
     _rebuild_shard,
     _reclaim,
 )
+from baft.recover.startover import never_silently_fresh
 from baft.store import reclaim
 from baft.store.coding import GroupLayout, Redundancy, group_layouts
 from baft.store.manifest import Manifest, chunk_records, region_records
@@ -370,7 +370,7 @@ FRESH = RecoveryPlan(version=None, source="fresh")
 
 def test_a_fresh_job_starts_quietly(tmp_path: Path, caplog) -> None:
     run_dir, located = _fresh_inputs(tmp_path, None, shards=False)
-    _never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0)
+    never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0)
     assert caplog.records == []
 
 
@@ -380,7 +380,7 @@ def test_nothing_restorable_after_progress_is_an_error(
 ) -> None:
     run_dir, located = _fresh_inputs(tmp_path, progress, shards)
     with pytest.raises(RestoreError) as err:
-        _never_silently_fresh(FRESH, "fresh start: why", located, run_dir, False, 0)
+        never_silently_fresh(FRESH, "fresh start: why", located, run_dir, False, 0)
     text = str(err.value)
     assert text.startswith("refusing to start over silently: ")
     assert ("records progress up to iteration 7" in text) == (progress is not None)
@@ -396,14 +396,14 @@ def test_a_job_that_ended_before_its_first_checkpoint_starts_over_loudly(
     error as before."""
     caplog.set_level(logging.INFO, logger="baft")
     run_dir, located = _fresh_inputs(tmp_path, 2, shards=False)  # iterations 0..2 done
-    _never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0, began_by=3)
+    never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0, began_by=3)
     (rec,) = caplog.records
     assert rec.getMessage() == (
         "starting over from iteration 0, losing 3 iteration(s): the job ended before its "
         "first checkpoint"
     )
     with pytest.raises(RestoreError, match="refusing to start over silently"):
-        _never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0, began_by=2)
+        never_silently_fresh(FRESH, "nothing", located, run_dir, False, 0, began_by=2)
 
 
 @pytest.mark.parametrize(
@@ -426,7 +426,7 @@ def test_only_the_first_young_rotation_lets_a_job_start_over(
     began_by: int,
     allowed: bool,
 ) -> None:
-    import baft.recover.runtime as runtime
+    import baft.recover.startover as startover
 
     caplog.set_level(logging.INFO, logger="baft")
     run_dir, located = _fresh_inputs(tmp_path, newest, shards=True)
@@ -438,12 +438,12 @@ def test_only_the_first_young_rotation_lets_a_job_start_over(
         ],
     )
     meta = {v: {"k": 3, "first_version": first} for v in range(first, newest + 1)}
-    monkeypatch.setattr(runtime, "_diff_meta", lambda _: meta)
+    monkeypatch.setattr(startover, "diff_meta", lambda _: meta)
     if not allowed:
         with pytest.raises(RestoreError, match="refusing to start over silently"):
-            _never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
+            never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
         return
-    _never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
+    never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
     (rec,) = caplog.records
     assert rec.getMessage() == (
         f"starting over from iteration 0, losing {newest + 1} iteration(s): the job's "
@@ -455,9 +455,9 @@ def test_only_the_first_young_rotation_lets_a_job_start_over(
 def test_allowed_fresh_start_and_dcp_fallback_are_logged_loudly(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="baft")
     run_dir, located = _fresh_inputs(tmp_path, 3, shards=True)
-    _never_silently_fresh(FRESH, "why", located, run_dir, True, 0)
+    never_silently_fresh(FRESH, "why", located, run_dir, True, 0)
     disk = RecoveryPlan(version=2, source="disk")
-    _never_silently_fresh(disk, "v=2 from disk: v=5 cannot be rebuilt", located, run_dir, False, 0)
+    never_silently_fresh(disk, "v=2 from disk: v=5 cannot be rebuilt", located, run_dir, False, 0)
     assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
     assert caplog.records[1].getMessage() == (
         "snapshots in memory cannot be restored, falling back to DCP: v=2 from disk: "

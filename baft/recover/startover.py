@@ -1,0 +1,123 @@
+"""Whether a job that can restore nothing may start over from iteration 0.
+
+A job that made progress never starts over silently: that is an error unless nothing
+could ever have been restored (the job ended before its first checkpoint, or inside its
+first differential rotation before any committed version was a whole window old), or
+the user allowed it. Pure reads of what the agreement located; no collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from baft.recover.coordinator import Located, RecoveryPlan
+from baft.recover.differential import RestoreError
+from baft.recover.report import progress_seen
+
+log = logging.getLogger("baft")
+
+
+def diff_meta(located: Located) -> dict[int, dict[str, Any]]:
+    """Version -> its differential meta (k, slice, first_version, ...) from any manifest."""
+    out: dict[int, dict[str, Any]] = {}
+    for loc in located.stores:
+        for x in loc.inventory.versions:
+            d = x.manifest.meta.get("diff") if x.manifest is not None else None
+            if d:
+                out.setdefault(x.version, d)
+    return out
+
+
+def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
+    """``(first_version, newest, k)`` when the stores hold only the differential rotation
+    the job began with (first version before ``began_by``: profiling plus one interval)
+    and no committed version of it is a whole window old: no version was ever
+    rebuildable, so starting over loses only the iterations since the job began. A newer
+    version written but never committed (the crash came during its exchange) does not
+    count: it was never restorable. None otherwise."""
+    from baft.recover.differential import window_of
+
+    meta = diff_meta(located)
+    if not meta:
+        return None
+    newest = max(meta)
+    k, first = int(meta[newest]["k"]), int(meta[newest]["first_version"])
+    told = [x.inventory.committed for x in located.stores if x.inventory.committed is not None]
+    committed = max(told) if told else None  # the newest any rank was told was committed
+    if first >= began_by:
+        return None
+    if committed is not None and committed >= first and window_of(committed, k, first) is not None:
+        return None
+    return first, newest, k
+
+
+def never_silently_fresh(
+    plan: RecoveryPlan,
+    reason: str,
+    located: Located,
+    run_dir: Path,
+    allow_fresh_start: bool,
+    rank: int,
+    *,
+    began_by: int = 0,
+) -> None:
+    """A job that made progress never starts over without saying so: falling back to DCP
+    while stores hold snapshots is logged loudly (with why each memory version failed), and
+    a fresh start after progress raises unless ``allow_fresh_start``, or unless nothing
+    could have been rebuildable yet: the job ended before its first checkpoint (progress
+    within ``began_by`` iterations: profiling plus one interval, and no snapshot), or its
+    only snapshots are the first differential rotation, not a whole window old (see
+    :func:`young_first_rotation`). Then it starts over, logged, losing only the
+    iterations since the job began. Same outcome on every rank (all see the same plan and
+    run directory)."""
+    shards = located.holds_shards()
+    if plan.source == "disk" and shards and rank == 0:
+        log.warning("snapshots in memory cannot be restored, falling back to DCP: %s", reason)
+    if plan.source != "fresh":
+        return
+    done = progress_seen(run_dir)
+    if not shards and not done:
+        return
+    seen = []
+    if done:
+        seen.append(f"{run_dir} records progress up to iteration {done - 1}")
+    if shards:
+        where = sorted({str(loc.store) for loc in located.stores if loc.inventory.versions})
+        seen.append(f"stores hold snapshots of the job ({', '.join(where)})")
+    if not shards and done <= began_by:
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0, losing %d iteration(s): the job ended "
+                "before its first checkpoint",
+                done,
+            )
+        return
+    young = young_first_rotation(located, began_by) if shards else None
+    if young is not None and done <= young[1] + 2:
+        first, newest, k = young
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0, losing %d iteration(s): the job's "
+                "differential checkpoints began at v%d and no committed version up to v%d "
+                "is a whole window of %d payloads old, so no version was rebuildable",
+                done,
+                first,
+                newest,
+                k,
+            )
+        return
+    if allow_fresh_start:
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0 as allowed (allow_fresh_start): %s; %s",
+                " and ".join(seen),
+                reason,
+            )
+        return
+    raise RestoreError(
+        f"refusing to start over silently: {' and '.join(seen)}, but nothing can be "
+        f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on, or set "
+        "CheckpointConfig.allow_fresh_start=True to start from iteration 0."
+    )
