@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
+from baft.engine.transport import destroy_group
 from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
@@ -103,6 +104,8 @@ class Protected:
         """Process group up and model built (the rendezvous phase ends here)."""
         self._report: Any = None
         self._restored = False
+        self.own_mesh: DeviceMesh | None = None
+        """The DeviceMesh protect() made (no ``device_mesh`` given): close() ends its groups."""
         runner.section = self.watchdog.section
         runner.on_step_end.append(self._after_step)
         runner.before_restore = self._not_restored  # the loop raises until restore()
@@ -220,6 +223,11 @@ class Protected:
                 self.engine.close()
         self.runner.close()
         self.watchdog.stop()
+        if self.own_mesh is not None:  # made by protect(): its groups are ours to end
+            for group in self.own_mesh.get_all_groups():
+                if group is not dist.GroupMember.WORLD:
+                    destroy_group(group)
+            self.own_mesh = None
 
 
 def protect(
@@ -285,4 +293,6 @@ def protect(
         average_gradients=average_gradients,
     )
     watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
-    return Protected(runner, mesh, run_dir, ck if enabled else None, watchdog, engine_cls)
+    protected = Protected(runner, mesh, run_dir, ck if enabled else None, watchdog, engine_cls)
+    protected.own_mesh = mesh.mesh if device_mesh is None else None
+    return protected

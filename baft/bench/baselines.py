@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from baft.bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES
+from baft.engine.transport import destroy_group
 from baft.pipeline import IterationTimeline
 from baft.train.trainer import Trainer
 
@@ -141,7 +142,7 @@ class DcpAsyncHooks(_BaselineHooks):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.directory = Path(directory)
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
         self._stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=False,
@@ -180,6 +181,8 @@ class DcpAsyncHooks(_BaselineHooks):
     def close(self) -> None:
         super().close()
         self._stager.close()
+        group, self.group = self.group, None
+        destroy_group(group)
 
 
 class CheckFreqHooks(_BaselineHooks):

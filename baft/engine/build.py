@@ -139,6 +139,7 @@ def build_engine(
             ck.persist_dir,
             keep_latest=policy.keep_latest,
             process_group=dist.new_group(backend="gloo"),
+            owns_group=True,
             rank=mesh.rank,
             timeout_s=ck.timeout_s * 10,
         )

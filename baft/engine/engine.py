@@ -793,3 +793,4 @@ class CheckpointEngine:
         self.store.close()
         if self.termination is not None:
             self.termination.uninstall()
+        self.transport.close()

@@ -108,6 +108,9 @@ class LocalTransport:
         """Every rank meets when it waits (ranks resolve votes in the same order)."""
         return _Vote(self, list(values))
 
+    def close(self) -> None:
+        """Nothing to release in process."""
+
 
 class _Vote:
     def __init__(self, transport: LocalTransport, values: list[int]) -> None:

@@ -44,6 +44,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
+from baft.engine.transport import destroy_group
+
 COMPLETE_MARKER = ".complete"
 """File inside a version directory that marks the checkpoint complete."""
 LATEST_FILE = "latest"
@@ -279,7 +281,8 @@ class Persister:
     dedicated gloo group: the writer thread runs collectives on it while training
     uses its own groups. With no group and no initialized default group, saves run
     in this process alone. ``timeout_s`` is the default limit of
-    :meth:`SaveHandle.wait` and of the given group's collectives.
+    :meth:`SaveHandle.wait` and of the given group's collectives. ``owns_group``:
+    :meth:`shutdown` destroys ``process_group`` (one made for this persister alone).
     """
 
     def __init__(
@@ -290,6 +293,7 @@ class Persister:
         process_group: ProcessGroup | None = None,
         rank: int,
         timeout_s: float = 300.0,
+        owns_group: bool = False,
     ) -> None:
         if keep_latest < 1:
             raise ValueError(
@@ -310,6 +314,7 @@ class Persister:
         self.rank = rank
         self.timeout_s = timeout_s
         self._group = process_group
+        self._owns_group = owns_group
         if process_group is not None and self._distributed:
             # A group made without a timeout waits torch's default (30 min on gloo) in
             # its collectives; a frozen peer must fail a save within ``timeout_s``.
@@ -356,17 +361,19 @@ class Persister:
         is still writing after ``timeout_s``. Idempotent."""
         self._closed = True
         thread = self._thread
-        if thread is None:
-            return
-        if thread.is_alive():
-            self._jobs.put(_STOP)
-        thread.join(timeout_s)
-        if thread.is_alive():
-            raise TimeoutError(
-                f"persister thread still writing after {timeout_s} s; "
-                f"the process group timeout bounds how long it can hang"
-            )
-        self._thread = None
+        if thread is not None:
+            if thread.is_alive():
+                self._jobs.put(_STOP)
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"persister thread still writing after {timeout_s} s; "
+                    f"the process group timeout bounds how long it can hang"
+                )
+            self._thread = None
+        if self._owns_group:
+            group, self._group = self._group, None
+            destroy_group(group)
 
     def _check_args(
         self,

@@ -42,6 +42,28 @@ class Transport(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
+    def close(self) -> None:
+        """No more traffic from this rank (after the last agreement)."""
+        ...
+
+
+def destroy_group(group: Any) -> None:
+    """Destroy a process group this process made for itself, now (not collective).
+
+    A gloo group's worker threads drop their reference to a finished collective's
+    tensors a moment after ``wait()`` returns; a tensor made in Python needs the GIL for
+    that. If the interpreter is already shutting down, the thread is ended mid-release
+    and the process aborts ("terminate called without an active exception"; seen in CI
+    right after a job's last commit vote). ``destroy_process_group(group)`` only forgets
+    the group; the caller must also drop its own reference, which joins those threads
+    while the interpreter is alive."""
+    if group is None:
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # already forgotten: the user destroyed every group first
+        pass
+
 
 class TimedWork:
     """A send/receive handle whose ``wait()`` gives up after ``timeout_s`` seconds."""
@@ -105,3 +127,8 @@ class GlooTransport:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def close(self) -> None:
+        """Destroy the group (see :func:`destroy_group`); the transport is unusable after."""
+        group, self.group = self.group, None
+        destroy_group(group)

@@ -332,7 +332,9 @@ def test_dp_replicas_must_average_gradients(gloo, tmp_path: Path) -> None:
 
 def _shorthand_job(rank: int, world: int, root: str) -> dict[str, Any]:
     """The same 3 iterations through ``ft.step`` and through the plain loop."""
-    out: dict[str, Any] = {}
+    from torch.distributed.distributed_c10d import _world
+
+    out: dict[str, Any] = {"groups_before": len(_world.pg_map)}
     for how in ("shorthand", "loop"):
         s = _setup(rank, world)
         ft = _protect(s, str(Path(root) / how), state={"sampler": s["sampler"]})
@@ -354,6 +356,7 @@ def _shorthand_job(rank: int, world: int, root: str) -> dict[str, Any]:
         out[how] = (_digest(s["module"], s["opt"], s["sched"], s["sampler"]), losses, ft.iteration)
         out[f"{how}_committed"] = ft.metrics["committed_version"]
         ft.close()
+        out[f"{how}_groups_after_close"] = len(_world.pg_map)
     return out
 
 
@@ -363,4 +366,7 @@ def test_shorthand_and_loop_have_one_trajectory(gloo, tmp_path: Path) -> None:
         assert out["shorthand"] == out["loop"], rank
         assert out["loop"][2] == 3
         assert out["loop_committed"] == out["shorthand_committed"] == 1  # checkpoints ran
+        # close() destroys the groups protect() made (their threads must not outlive it)
+        assert out["shorthand_groups_after_close"] == out["groups_before"], out
+        assert out["loop_groups_after_close"] == out["groups_before"], out
     assert got[1]["loop"][1][0] is not None and got[0]["loop"][1][0] is None  # last stage
