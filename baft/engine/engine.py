@@ -53,7 +53,7 @@ from baft.engine.planning import (
     replan_rate,
     save_plan_input,
 )
-from baft.engine.redundancy import RedundancyExchange
+from baft.engine.redundancy import PeerStoreGone, RedundancyExchange
 from baft.engine.termination import Termination
 from baft.engine.transport import Transport
 from baft.engine.versions import COMPONENTS, CommitVote, PersistSchedule, Version
@@ -508,11 +508,17 @@ class CheckpointEngine:
             start = timeline.now()
             self._fire("transfer", iteration)
             self.worker.drain()  # checksums and sends not done in bubbles: exposed
-            encoded = self.exchange.finish() if self.exchange is not None else 0
+            peers_intact = True
+            try:
+                encoded = self.exchange.finish() if self.exchange is not None else 0
+            except PeerStoreGone as e:  # its store is gone: v fails the vote, the job goes on
+                log.warning("v%d is not protected: %s", v.version, e)
+                encoded, peers_intact = 0, False
             if self.exchange is not None:
                 for name, sec in self.exchange.seconds.items():
                     v.seconds[name] += sec
-            complete = self.store.path.exists()  # a store wiped under a live rank loses v
+            # a store wiped under a live rank (its own or a same-host sender's) loses v
+            complete = peers_intact and self.store.path.exists()
             if complete:
                 self._complete(v, iteration)
             end = timeline.now()

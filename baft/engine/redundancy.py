@@ -35,6 +35,11 @@ from baft.store.manifest import checksum
 from baft.store.peer import PeerStore
 
 
+class PeerStoreGone(RuntimeError):
+    """A same-host sender's store was removed while this rank waited for its bytes: the
+    version cannot complete here (this rank votes it incomplete; the job goes on)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Piece:
     tag: int
@@ -245,9 +250,18 @@ class RedundancyExchange:
             waiting = [p for p in self._local_inputs.values() if self._final(p, progress) is None]
             if not self._pulls_left() and not waiting:
                 break
+            late = sorted(
+                {p.src for p in waiting}
+                | {s for s, q in self._pulls.items() if self._next_pull[s] < len(q)}
+            )
+            gone = [s for s in late if self.peers[s].gone()]
+            if gone:
+                raise PeerStoreGone(
+                    f"rank {self.rank}: the store of same-host peer(s) {gone} was removed "
+                    f"while v{self._version} was protected"
+                )
             now = time.perf_counter()
             if now > deadline:
-                late = sorted({p.src for p in waiting} | {s for s in self._pulls})
                 raise TimeoutError(
                     f"rank {self.rank}: same-host peers {late} did not finish v{self._version} "
                     f"within {self.timeout_s} s"

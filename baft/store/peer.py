@@ -66,6 +66,11 @@ class PeerStore:
             return None
         return slot, covered
 
+    def gone(self) -> bool:
+        """The sender's store was removed under it (wiped, node lost): it publishes nothing
+        more of the version it was writing (it starts a fresh store at its next one)."""
+        return not (self.path / PROGRESS_FILE).exists()
+
     def data(self, slot: int) -> np.ndarray | None:
         """The sender's shard file of ``slot`` (read-only), or None if it has none."""
         return self._mapped(slot_file_name(slot, "data"))

@@ -4,6 +4,7 @@ a failed peer makes the holder fail, never complete."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from baft.engine.local_transport import LocalTransport, PeerFailed
-from baft.engine.redundancy import RedundancyExchange
+from baft.engine.redundancy import PeerStoreGone, RedundancyExchange
 from baft.store.coding import Redundancy, group_layouts
 from baft.store.manifest import checksum
 from baft.store.peer import PeerStore
@@ -187,5 +188,27 @@ def test_holder_times_out_when_a_same_host_peer_stops(tmp_path: Path) -> None:
     ex.begin(torch.from_numpy(stores[0].data_view(0)), torch.from_numpy(stores[0].red_view(0)), 4)
     stores[1].publish(4, 0, PIECE)  # half done, then frozen
     with pytest.raises(TimeoutError, match=r"same-host peers \[1\] did not finish v4"):
+        ex.finish()
+    assert ex.bytes_pulled == PIECE
+
+
+def test_holder_gives_up_when_a_same_host_peers_store_is_removed(tmp_path: Path) -> None:
+    """A sender's store wiped mid-version (the ``delete`` fault, a lost node's memory) will
+    publish nothing more of it: the holder says so at once (the engine then votes the version
+    incomplete and goes on), instead of waiting out the timeout and failing the job."""
+    layouts, stores = _xor2_stores(tmp_path, 2 * PIECE)
+    ex = RedundancyExchange(
+        layouts[0],
+        0,
+        LocalTransport.group(2)[0],
+        PIECE,
+        peers={1: PeerStore(stores[1].path, 1)},
+        timeout_s=5.0,
+    )
+    ex.begin(torch.from_numpy(stores[0].data_view(0)), torch.from_numpy(stores[0].red_view(0)), 4)
+    stores[1].publish(4, 0, PIECE)
+    assert ex.pull_ready() == PIECE
+    shutil.rmtree(stores[1].path)  # the rest of v4 never comes
+    with pytest.raises(PeerStoreGone, match=r"peer\(s\) \[1\] was removed while v4"):
         ex.finish()
     assert ex.bytes_pulled == PIECE
