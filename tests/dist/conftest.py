@@ -204,7 +204,9 @@ class GlooLauncher:
         bad = [o for o in outcomes if o.returncode != 0 or not o.has_value]
         if bad:
             logs = "\n".join(
-                f"--- rank {o.rank} exit {o.returncode} ---\n{o.log[-6000:]}" for o in bad
+                f"--- rank {o.rank} exit {o.returncode}, "
+                f"{'after' if o.has_value else 'before'} its target returned ---\n{o.log[-6000:]}"
+                for o in bad
             )
             pytest.fail(f"gloo job {target.__name__} failed:\n{logs}", pytrace=False)
         return [o.value for o in outcomes]
