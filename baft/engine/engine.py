@@ -267,7 +267,8 @@ class CheckpointEngine:
 
         Collective: every rank reaches it at the same iteration. If the new plan moves a
         shard boundary (the same decision on every rank: the plan is deterministic), every
-        store forgets its versions and the next checkpoint commits under the new layout.
+        store forgets its other versions but keeps the committed one restorable (budget
+        permitting), and the next checkpoint commits under the new layout.
         """
         if self._plan_input is None or self._plan_input.get("replanned"):
             return
@@ -304,19 +305,25 @@ class CheckpointEngine:
         self._plan_input["cost"]["copy_Bps"] = rate
         if self.rank == 0:
             save_plan_input(self.run_dir, self._plan_input)
-        self._plan_from(
+        kept = self._plan_from(
             self._plan_input,
             source=f"re-plan: snapshots copy at {rate / 1e9:.2f} GB/s, assumed {assumed / 1e9:.2f}",
         )
         after = {r: (p.owned_start, p.owned_stop) for r, p in self.plan.ranks.items()}
         if after != before:  # shard layout moved: old versions must not mix with new ones
-            self.store.clear_versions()
-            self.votes.adopt(None)
+            # except the committed one, kept whole in its slot (its manifests describe its
+            # own layout): a crash before the first commit under the new layout restores it
+            self.store.clear_versions(keep=kept)
+            if kept is None:
+                self.votes.adopt(None)
 
-    def _plan_from(self, plan_input: dict[str, Any], source: str) -> None:
+    def _plan_from(self, plan_input: dict[str, Any], source: str) -> int | None:
+        """Plan from ``plan_input`` and allocate the store for it (collective). Returns the
+        committed version if it stayed restorable in every store (see
+        :meth:`_allocate_everywhere`)."""
         ranks = plan_input["ranks"]
         if plan_input.get("world_size") != self.topology.world_size:
-            return
+            return None
         self._plan_input = plan_input
         self._checkpoints_since_plan = 0
         self._observed = (0, 0.0)
@@ -350,7 +357,7 @@ class CheckpointEngine:
             self.group_layout.redundancy_nbytes(self.rank),
             max(2, k + 1),
         )
-        self._allocate_everywhere(*self._sizes)
+        kept = self._allocate_everywhere(*self._sizes, keep=self.committed)
         self.exchange = RedundancyExchange(
             self.group_layout if self.redundancy.kind != "none" else None,
             self.rank,
@@ -369,6 +376,7 @@ class CheckpointEngine:
             f"same-host stores, {paths['net'] / 2**20:.1f} MiB over the network"
         )
         log.info("checkpoint plan (%s): %s; %s; %s", source, plan.reason, self._k_reason, via)
+        return kept
 
     def _choose_k(self, plan_input: dict[str, Any]) -> int:
         """full_every of this plan: kept by a re-plan or a restored rotation, else the
@@ -390,27 +398,43 @@ class CheckpointEngine:
         )
         return k
 
-    def _allocate_everywhere(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
+    def _allocate_everywhere(
+        self, data_nbytes: int, red_nbytes: int, num_slots: int = 2, keep: int | None = None
+    ) -> int | None:
         """Allocate the store; collective, so that a rank over its memory budget (or a
         full tmpfs) fails every rank with the same error instead of leaving its peers
-        blocked in the next collective until they time out."""
+        blocked in the next collective until they time out.
+
+        ``keep``: the committed version stays restorable across a new plan's layout (its
+        slot keeps its bytes, see :meth:`SnapshotStore.allocate`), so a crash before the
+        new plan's first commit still loses one iteration. Returns it if every rank kept
+        it (when the larger slots do not fit the budget, none does: the old behaviour)."""
         error: str | None = None
+        kept: int | None = None
         try:
-            self._allocate(data_nbytes, red_nbytes, num_slots)
+            kept = self._allocate(data_nbytes, red_nbytes, num_slots, keep)
         except MemoryBudgetError as e:
             error = str(e)
-        errors = [e for e in self.transport.all_gather_object(error) if e]
+        gathered = self.transport.all_gather_object((error, kept))
+        errors = [e for e, _ in gathered if e]
+        if errors and keep is not None:
+            log.warning("the committed v%d cannot be kept across the new plan: %s", keep, errors[0])
+            return self._allocate_everywhere(data_nbytes, red_nbytes, num_slots)
         if errors:
             raise MemoryBudgetError(errors[0])
+        return keep if keep is not None and all(k == keep for _, k in gathered) else None
 
-    def _allocate(self, data_nbytes: int, red_nbytes: int, num_slots: int = 2) -> None:
+    def _allocate(
+        self, data_nbytes: int, red_nbytes: int, num_slots: int = 2, keep: int | None = None
+    ) -> int | None:
         """(Re)create the store's slots; on CUDA pin them so device copies are DMA."""
         self.copier.synchronize()  # no copy may still land in a slot that goes away
         self._pins.release()
-        self.store.allocate(data_nbytes, red_nbytes, num_slots)
+        kept = self.store.allocate(data_nbytes, red_nbytes, num_slots, keep_version=keep)
         if self.device.type == "cuda":
             for slot in range(num_slots):
                 self._pins.pin(torch.from_numpy(self.store.data_view(slot)))
+        return kept
 
     # ------------------------------------------------------------------ hooks
     def apply_rng(self) -> None:

@@ -156,13 +156,29 @@ class SnapshotStore:
         ]
         return max(NUM_SLOTS, max(found, default=-1) + 1)
 
-    def allocate(self, data_nbytes: int, red_nbytes: int, num_slots: int = NUM_SLOTS) -> None:
+    def allocate(
+        self,
+        data_nbytes: int,
+        red_nbytes: int,
+        num_slots: int = NUM_SLOTS,
+        *,
+        keep_version: int | None = None,
+    ) -> int | None:
         """Create (or reuse, keeping contents) ``num_slots`` slots' files, pre-faulted and
-        mapped; slot files beyond ``num_slots`` (an earlier, longer ring) are removed."""
+        mapped; slot files beyond ``num_slots`` (an earlier, longer ring) are removed.
+
+        ``keep_version``: a complete version in a slot below ``num_slots`` (the committed
+        one, written under an earlier plan) stays restorable: slots are made at least as
+        large as its files, which grow in place. Returns the version kept (None: none
+        asked or none found); a slot of another size loses its version, as always."""
         if data_nbytes < 0 or red_nbytes < 0:
             raise ValueError(f"sizes must be >= 0, got data={data_nbytes} red={red_nbytes}")
         if not NUM_SLOTS <= num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be in {NUM_SLOTS}..{MAX_SLOTS}, got {num_slots}")
+        kept = self._slot_of(keep_version, num_slots) if keep_version is not None else None
+        if kept is not None:
+            data_nbytes = max(data_nbytes, self._file(kept, "data").stat().st_size)
+            red_nbytes = max(red_nbytes, self._file(kept, "red").stat().st_size)
         needed = self.required_bytes(data_nbytes, red_nbytes, num_slots)
         if needed > self.budget_bytes:
             raise MemoryBudgetError(
@@ -193,10 +209,25 @@ class SnapshotStore:
                 self._file(slot, kind).unlink(missing_ok=True)
         for slot in range(num_slots):
             for kind, n in sizes.items():
-                self._map_rw(slot, kind, n)
+                self._map_rw(slot, kind, n, grow=slot == kept)
         self._sizes = (data_nbytes, red_nbytes)
         self._num_slots = num_slots
         self._map_progress()
+        return keep_version if kept is not None else None
+
+    def _slot_of(self, version: int, num_slots: int) -> int | None:
+        """The slot below ``num_slots`` whose complete manifest is ``version``, if its
+        files are there."""
+        for slot in range(min(num_slots, self.num_slots)):
+            rec = _try(self._read_slot, slot)
+            if (
+                rec
+                and rec.get("state") == "complete"
+                and rec.get("version") == version
+                and all(self._file(slot, kind).exists() for kind in KINDS)
+            ):
+                return slot
+        return None
 
     def _map_progress(self) -> None:
         fd = os.open(self.path / PROGRESS_FILE, os.O_RDWR | os.O_CREAT, 0o600)
@@ -246,13 +277,16 @@ class SnapshotStore:
     def _manifest_file(self, slot: int) -> Path:
         return self.path / slot_file_name(slot, "json")
 
-    def _map_rw(self, slot: int, kind: str, nbytes: int) -> None:
+    def _map_rw(self, slot: int, kind: str, nbytes: int, *, grow: bool = False) -> None:
         path = self._file(slot, kind)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.fchmod(fd, 0o600)
             size = os.fstat(fd).st_size
-            if size != nbytes:
+            if grow and size < nbytes:  # a kept version: its bytes stay, the file grows
+                os.ftruncate(fd, nbytes)
+                os.posix_fallocate(fd, size, nbytes - size)
+            elif size != nbytes:
                 if size:  # different shape: old contents are meaningless now
                     self._manifest_file(slot).unlink(missing_ok=True)
                 os.ftruncate(fd, 0)
@@ -472,11 +506,14 @@ class SnapshotStore:
         rec = _load_json(self.path / "commit.json")
         return rec.get("version") if rec else None
 
-    def clear_versions(self) -> None:
-        """Forget every version and the commit record (after restoring from disk or fresh)."""
+    def clear_versions(self, keep: int | None = None) -> None:
+        """Forget every version and the commit record (after restoring from disk or fresh);
+        ``keep``: except that version (and the commit record, if it names it)."""
         for slot in range(self.num_slots):
-            self._manifest_file(slot).unlink(missing_ok=True)
-        (self.path / "commit.json").unlink(missing_ok=True)
+            if keep is None or _version_of(_try(self._read_slot, slot)) != keep:
+                self._manifest_file(slot).unlink(missing_ok=True)
+        if keep is None or _try(self.committed_version) != keep:
+            (self.path / "commit.json").unlink(missing_ok=True)
 
     def read_manifest(self, slot: int) -> Manifest | None:
         """The slot's complete manifest, or None (empty, writing or unreadable)."""

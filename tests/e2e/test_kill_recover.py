@@ -352,10 +352,31 @@ def test_replan_that_moves_shard_boundaries_then_recovery_is_bit_exact(
     assert r["sources"] == {"0": "local", "1": "local", "2": "local", "3": "local"}, r
     assert r["lost_iterations"] == 1
     # v0..v2 commit under the crafted plan; the re-plan after iteration 2's checkpoint
-    # clears every store (no committed version at iteration 3), then v3.. commit again;
-    # the restart restores v6 (committed at once) and goes on under the re-planned layout
+    # keeps v2 (still the committed version at iteration 3), then v3.. commit under the
+    # new layout; the restart restores v6 (committed at once) and goes on under it
     committed = [m.get("committed_version") for m in failed["metrics"]]
-    assert committed == [None, 0, 1, None, 3, 4, 6, 6, 7, 8, 9, 10], committed
+    assert committed == [None, 0, 1, 2, 3, 4, 6, 6, 7, 8, 9, 10], committed
+
+
+@pytest.mark.slow  # three launches (~3 min here): `make test-all`
+def test_a_crash_right_after_a_replan_restores_the_version_of_the_old_layout(
+    tmp_path: Path, store: Path, reference: dict[str, Any]
+) -> None:
+    """Killed before the first commit under the re-planned layout: the committed v2 was
+    kept whole in its slot across the new allocation, and its manifests describe its own
+    layout, so the restart restores it from memory losing one iteration (before: every
+    store forgot its versions at the re-plan and the job fell back to disk)."""
+    run, crafted, failed = _run_crafted(
+        tmp_path, store, "right-after", "kill:rank=1,iter=3,at=iteration"
+    )
+    assert_same_training(failed, reference, 12)
+    replanned = json.loads((run / PLAN_INPUT_FILE).read_text())
+    before, after = _owned(crafted), _owned(replanned)
+    assert all(before[r] != after[r] for r in (0, 1, 2, 3)), (before, after)
+    (r,) = failed["summary"]["recoveries"]
+    assert r["source"] == "memory" and r["restored_version"] == 2, r
+    assert r["sources"] == {"0": "local", "1": "local", "2": "local", "3": "local"}, r
+    assert r["lost_iterations"] == 1, r
 
 
 @pytest.mark.slow  # two launches (~1 min here): `make test-all`

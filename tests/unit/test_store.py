@@ -159,6 +159,27 @@ def test_restart_reuses_files_and_contents(tmp_path: Path):
     assert again.inventory().versions == ()
 
 
+@pytest.mark.parametrize("new_nbytes", [6000, 4000], ids=["grows", "shrinks"])
+def test_a_new_layout_keeps_the_committed_version(tmp_path: Path, new_nbytes: int):
+    """A re-plan that moves shard boundaries allocates other sizes; ``keep_version`` keeps
+    the committed version's bytes and manifest (slots at least as large as its files), the
+    other versions go, and the next version is written beside it."""
+    store = SnapshotStore(tmp_path, "job", 0, 0, 1 << 20)
+    store.allocate(5000, 0)
+    _write(store, 3, 0x33)
+    kept_slot = _write(store, 4, 0x44)
+    assert store.allocate(new_nbytes, 0, keep_version=4) == 4
+    assert store.data_view(0).size == store.data_view(1).size == max(5000, new_nbytes)
+    store.clear_versions(keep=4)
+    assert store.verify(kept_slot) == []
+    assert (store.data_view(kept_slot)[:5000] == 0x44).all()
+    inv = store.inventory()
+    assert inv.committed == 4 and [v.version for v in inv.versions] == [4]
+    slot = store.begin(5)
+    assert slot != kept_slot
+    assert store.allocate(5000, 0, keep_version=9) is None  # nothing to keep: as before
+
+
 def test_verify_detects_flipped_bytes_in_data_and_redundancy(tmp_path: Path):
     from baft.store.coding import GroupLayout, Redundancy
     from baft.store.manifest import region_records
