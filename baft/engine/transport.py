@@ -53,8 +53,9 @@ def destroy_group(group: Any) -> None:
     A gloo group's worker threads drop their reference to a finished collective's
     tensors a moment after ``wait()`` returns; a tensor made in Python needs the GIL for
     that. If the interpreter is already shutting down, the thread is ended mid-release
-    and the process aborts ("terminate called without an active exception"; seen in CI
-    right after a job's last commit vote). ``destroy_process_group(group)`` only forgets
+    and the process aborts ("terminate called without an active exception": what CI saw
+    once as a rank exited after its job's last commit vote; pytorch#179291 describes the
+    same abort). ``destroy_process_group(group)`` only forgets
     the group; the caller must also drop its own reference, which joins those threads
     while the interpreter is alive."""
     if group is None:
