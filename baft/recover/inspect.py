@@ -16,7 +16,7 @@ from baft.recover.coordinator import assess_version, coordinate
 from baft.store.coding import Redundancy
 from baft.store.inspect import newest_manifest, rank_report, read_inventories, stores_by_job
 from baft.store.manifest import RankInventory
-from baft.store.shm import StoreAddress
+from baft.store.paths import StoreAddress
 
 
 def inspect_stores(path: Path) -> list[dict[str, Any]]:

@@ -57,7 +57,8 @@ from baft.recover.startover import diff_meta, never_silently_fresh
 from baft.store import reclaim
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, checksum
-from baft.store.shm import SnapshotStore, StoreReadError, find_stores, job_path
+from baft.store.paths import find_stores, job_path
+from baft.store.shm import SnapshotStore, StoreReadError
 from baft.topology import Topology
 
 log = logging.getLogger("baft")

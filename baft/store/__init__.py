@@ -2,6 +2,7 @@
 
 - ``coding``: redundancy policies, coding groups, stripe layout, encode / rebuild (pure).
 - ``manifest``: manifest, commit and inventory records with xxh3 checksums.
+- ``paths``: where stores live: the directory tree and a store's file names.
 - ``shm``: the per-rank shared-memory store (version slots; its own read path).
 - ``peer``: read-only view of a same-host rank's store (redundancy moved once).
 - ``inspect``: ``baft inspect`` over a store directory.
@@ -29,12 +30,12 @@ from baft.store.manifest import (
     chunk_records,
     region_records,
 )
+from baft.store.paths import find_stores
 from baft.store.shm import (
     DEFAULT_ROOT,
     MemoryBudgetError,
     SnapshotStore,
     StoreReadError,
-    find_stores,
 )
 
 __all__ = [

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from baft.store.manifest import Manifest, RankInventory, VersionInfo
-from baft.store.shm import SnapshotStore, StoreAddress, find_stores
+from baft.store.paths import StoreAddress, find_stores
+from baft.store.shm import SnapshotStore
 
 
 def stores_by_job(path: Path) -> dict[str, list[StoreAddress]]:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from baft.store.shm import MAX_SLOTS, PROGRESS_FILE, slot_file_name
+from baft.store.paths import PROGRESS_FILE, slot_file_name
+from baft.store.shm import MAX_SLOTS
 
 
 class PeerStore:

@@ -13,15 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
-from baft.store.shm import (
-    PROGRESS_FILE,
-    SnapshotStore,
-    _is_job_dir,
-    _try,
-    find_stores,
-    job_path,
-    node_path,
-)
+from baft.store.paths import PROGRESS_FILE, find_stores, is_job_dir, job_path, node_path
+from baft.store.shm import SnapshotStore, _try
 
 
 def reclaim_foreign(
@@ -54,7 +47,7 @@ def reclaim_other_jobs(root: Path, keep_job_id: str, idle_s: float = 3600.0) -> 
         return removed
     now = time.time()
     for job in sorted(root.iterdir()):
-        if job.name == keep_job_id or job.is_symlink() or not _is_job_dir(job):
+        if job.name == keep_job_id or job.is_symlink() or not is_job_dir(job):
             continue
         files = [f for f in job.rglob("*") if f.is_file()]
         newest = max((f.stat().st_mtime for f in files), default=0.0)

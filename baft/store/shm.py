@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from baft.store.manifest import (
     checksum,
     dumps,
 )
+from baft.store.paths import KINDS, PROGRESS_FILE, SLOT_FILE, rank_path, slot_file_name
 
 DEFAULT_ROOT = Path("/dev/shm/baft")
 """Default store root: tmpfs, survives process crashes, not reboots."""
@@ -54,11 +54,6 @@ is never the one being written). Differential checkpoints keep a ring of more (s
 ``allocate``): a version's rebuild needs the payloads of a whole rotation."""
 MAX_SLOTS = 64
 """Most slots a store may have."""
-PROGRESS_FILE = "progress"
-"""Four int64: version being written, its slot, shard bytes final so far, a change count."""
-KINDS = ("data", "red")
-"""The two files of a slot: the shard (``data``) and its redundancy area (``red``)."""
-_SLOT_FILE = re.compile(r"^slot(\d+)\.(?:data|red|json)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -70,44 +65,8 @@ class StoreReadError(ValueError):
     """A read asked for bytes the store's file does not hold (absent or too short)."""
 
 
-def slot_file_name(slot: int, kind: str) -> str:
-    """File name of a slot's ``data``/``red`` file or (``kind="json"``) its manifest."""
-    if kind not in (*KINDS, "json"):
-        raise ValueError(f"kind must be one of data, red, json; got {kind!r}")
-    return f"slot{slot}.{kind}"
-
-
-def job_path(root: Path, job_id: str) -> Path:
-    """Directory of a job's stores under ``root``."""
-    return Path(root) / job_id
-
-
-def node_path(root: Path, job_id: str, node: int) -> Path:
-    """Directory of one node's stores of a job."""
-    return job_path(root, job_id) / f"node{node}"
-
-
-def rank_path(root: Path, job_id: str, node: int, rank: int) -> Path:
-    """Directory of one rank's store."""
-    return node_path(root, job_id, node) / f"rank{rank}"
-
-
 def _round_page(n: int) -> int:
     return -(-n // PAGE) * PAGE
-
-
-@dataclass(frozen=True, slots=True)
-class StoreAddress:
-    """Where one rank's store lives."""
-
-    root: Path
-    """Store root (parent of job directories)."""
-    job_id: str
-    """Job directory name."""
-    node: int
-    """Node number."""
-    rank: int
-    """Rank number."""
 
 
 class SnapshotStore:
@@ -152,7 +111,7 @@ class SnapshotStore:
         found = [
             int(m.group(1))
             for f in (self.path.iterdir() if self.path.is_dir() else ())
-            if (m := _SLOT_FILE.match(f.name))
+            if (m := SLOT_FILE.match(f.name))
         ]
         return max(NUM_SLOTS, max(found, default=-1) + 1)
 
@@ -630,12 +589,7 @@ class SnapshotStore:
         version of the abandoned timeline can mix into a later restore; older ones stay (a
         differential rotation may need them to rebuild ``version``). Returns whether the
         store was removed."""
-        keep = None
-        if version is not None:
-            for slot in range(self.num_slots):
-                m = _try(self.read_manifest, slot)
-                if m is not None and m.version == version:
-                    keep = slot
+        keep = self._slot_of(version, self.num_slots) if version is not None else None
         if keep is None:
             self.destroy()
             return True
@@ -664,28 +618,6 @@ class SnapshotStore:
                 shutil.rmtree(job)
                 removed.append(job)
         return removed
-
-
-def find_stores(path: Path) -> list[StoreAddress]:
-    """Stores under ``path``: a store root (job dirs) or one job dir (node dirs)."""
-    path = Path(path)
-    out: list[StoreAddress] = []
-    if not path.is_dir():
-        return out
-    jobs = [path] if _is_job_dir(path) else [j for j in sorted(path.iterdir()) if _is_job_dir(j)]
-    for job in jobs:
-        for node_dir in job.iterdir():
-            for rank_dir in node_dir.iterdir():
-                m = re.fullmatch(r"rank(\d+)", rank_dir.name)
-                if m and rank_dir.is_dir():
-                    node = int(node_dir.name[4:])
-                    out.append(StoreAddress(job.parent, job.name, node, int(m.group(1))))
-    return sorted(out, key=lambda a: (a.job_id, a.rank))
-
-
-def _is_job_dir(path: Path) -> bool:
-    children = [c for c in path.iterdir()] if path.is_dir() else []
-    return bool(children) and all(c.is_dir() and re.fullmatch(r"node\d+", c.name) for c in children)
 
 
 def _try(fn: Any, *args: Any) -> Any:

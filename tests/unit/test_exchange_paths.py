@@ -175,18 +175,25 @@ def test_holder_fails_when_a_network_peer_dies_mid_transfer(tmp_path: Path) -> N
         ex.finish()
 
 
-def test_holder_times_out_when_a_same_host_peer_stops(tmp_path: Path) -> None:
-    layouts, stores = _xor2_stores(tmp_path, 2 * PIECE)
+def _holder_of_half_v4(tmp: Path, timeout_s: float) -> tuple[RedundancyExchange, list]:
+    """Rank 0 holding v4's redundancy of its same-host sender, rank 1, which has published
+    half of its shard as final."""
+    layouts, stores = _xor2_stores(tmp, 2 * PIECE)
     ex = RedundancyExchange(
         layouts[0],
         0,
         LocalTransport.group(2)[0],
         PIECE,
         peers={1: PeerStore(stores[1].path, 1)},
-        timeout_s=0.05,
+        timeout_s=timeout_s,
     )
     ex.begin(torch.from_numpy(stores[0].data_view(0)), torch.from_numpy(stores[0].red_view(0)), 4)
-    stores[1].publish(4, 0, PIECE)  # half done, then frozen
+    stores[1].publish(4, 0, PIECE)
+    return ex, stores
+
+
+def test_holder_times_out_when_a_same_host_peer_stops(tmp_path: Path) -> None:
+    ex, _ = _holder_of_half_v4(tmp_path, timeout_s=0.05)  # half done, then frozen
     with pytest.raises(TimeoutError, match=r"same-host peers \[1\] did not finish v4"):
         ex.finish()
     assert ex.bytes_pulled == PIECE
@@ -196,17 +203,7 @@ def test_holder_gives_up_when_a_same_host_peers_store_is_removed(tmp_path: Path)
     """A sender's store wiped mid-version (the ``delete`` fault, a lost node's memory) will
     publish nothing more of it: the holder says so at once (the engine then votes the version
     incomplete and goes on), instead of waiting out the timeout and failing the job."""
-    layouts, stores = _xor2_stores(tmp_path, 2 * PIECE)
-    ex = RedundancyExchange(
-        layouts[0],
-        0,
-        LocalTransport.group(2)[0],
-        PIECE,
-        peers={1: PeerStore(stores[1].path, 1)},
-        timeout_s=5.0,
-    )
-    ex.begin(torch.from_numpy(stores[0].data_view(0)), torch.from_numpy(stores[0].red_view(0)), 4)
-    stores[1].publish(4, 0, PIECE)
+    ex, stores = _holder_of_half_v4(tmp_path, timeout_s=5.0)
     assert ex.pull_ready() == PIECE
     shutil.rmtree(stores[1].path)  # the rest of v4 never comes
     with pytest.raises(PeerStoreGone, match=r"peer\(s\) \[1\] was removed while v4"):

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from baft.store.manifest import Manifest, chunk_records
+from baft.store.paths import find_stores
 from baft.store.shm import (
     MANIFEST_RESERVE_BYTES,
     PAGE,
     MemoryBudgetError,
     SnapshotStore,
-    find_stores,
 )
 from baft.topology import Topology
 from tests.unit.test_store_support import shm_dir
