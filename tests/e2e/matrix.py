@@ -1,0 +1,123 @@
+"""The configuration x fault matrix, generated (pure: no processes, no files).
+
+Dimensions a user controls, crossed with the faults that come from outside. Every case
+is one cell; :func:`pairwise` picks a deterministic set of valid cases in which every
+pair of values of any two dimensions appears at least once (greedy all-pairs over the
+valid cases: no randomness, the same list on every machine). :data:`SMOKE` is the
+handful the default suite runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass, fields
+from functools import cache
+
+LAYOUTS = {  # name -> (dp, pp, tp)
+    "pp2": (1, 2, 1),
+    "pp4": (1, 4, 1),
+    "dp2pp2": (2, 2, 1),
+    "pp2tp2": (1, 2, 2),
+    "dp2pp2tp2": (2, 2, 2),
+}
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    # gpt: `baft train`'s reference GPT (stage FQNs unique); user-*: tests/e2e/user_script.py,
+    # a fresh nn.Sequential per stage (FQNs repeat across stages) or wrapped as stage{s}.
+    "app": ("gpt", "user-repeated", "user-unique"),
+    "layout": tuple(LAYOUTS),
+    "schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
+    "full_every": ("1", "3", "auto"),
+    "redundancy": ("xor", "rs", "replicate"),
+    "persist": ("on", "off"),
+    # one: one torchrun agent, two declared nodes; hostid / nohostid: two agents (one per
+    # declared node, own store roots) with / without BAFT_HOST_ID
+    "hosts": ("one", "hostid", "nohostid"),
+    "fault": ("kill", "node", "power", "sigterm", "hang"),
+}
+REDUNDANCY = {"xor": "xor:2", "rs": "rs:1+1", "replicate": "replicate:1"}
+"""Spellings: every case has two failure domains (declared nodes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    app: str
+    layout: str
+    schedule: str
+    full_every: str
+    redundancy: str
+    persist: str
+    hosts: str
+    fault: str
+
+    @property
+    def id(self) -> str:
+        return "-".join(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        return LAYOUTS[self.layout]
+
+    @property
+    def world(self) -> int:
+        dp, pp, tp = self.dims
+        return dp * pp * tp
+
+    @property
+    def seed(self) -> int:
+        """Drives the fault's moment and victim: stable per case id."""
+        return zlib.crc32(self.id.encode())
+
+
+def valid(case: Case) -> bool:
+    """The user script is pipeline x data parallel, one stage per rank."""
+    if case.app != "gpt":
+        return case.dims[2] == 1 and case.schedule != "interleaved-1f1b"
+    return True
+
+
+def from_id(case_id: str) -> Case:
+    values = case_id.split("-")
+    # app values contain a dash ("user-repeated"), schedule may ("interleaved-1f1b")
+    if values[0] == "user":
+        values = [f"{values[0]}-{values[1]}", *values[2:]]
+    if values[2] == "interleaved":
+        values = [*values[:2], f"{values[2]}-{values[3]}", *values[4:]]
+    names = [f.name for f in fields(Case)]
+    if len(values) != len(names):
+        raise ValueError(f"case id {case_id!r}: want {'-'.join(names)}")
+    case = Case(*values)
+    for name, value in zip(names, values, strict=True):
+        if value not in DIMENSIONS[name]:
+            raise ValueError(f"case id {case_id!r}: {name}={value!r} not one of {DIMENSIONS[name]}")
+    return case
+
+
+def _pairs(case: Case) -> set[tuple[int, str, int, str]]:
+    values = [getattr(case, name) for name in DIMENSIONS]
+    return {(i, values[i], j, values[j]) for i, j in itertools.combinations(range(len(values)), 2)}
+
+
+@cache
+def pairwise() -> tuple[Case, ...]:
+    """Greedy all-pairs: repeatedly take the valid case that covers the most pairs not
+    yet covered (the first in enumeration order on ties) until every pair that some
+    valid case contains is covered."""
+    candidates = [Case(*values) for values in itertools.product(*DIMENSIONS.values())]
+    candidates = [c for c in candidates if valid(c)]
+    covers = [_pairs(c) for c in candidates]
+    todo: set[tuple[int, str, int, str]] = set().union(*covers)
+    chosen: list[Case] = []
+    while todo:
+        best = max(range(len(candidates)), key=lambda k: len(covers[k] & todo))
+        chosen.append(candidates[best])
+        todo -= covers[best]
+    return tuple(chosen)
+
+
+SMOKE = (
+    Case("gpt", "dp2pp2", "1f1b", "1", "xor", "off", "one", "kill"),
+    Case("user-unique", "pp2", "gpipe", "3", "replicate", "on", "one", "power"),
+    Case("gpt", "pp2", "interleaved-1f1b", "1", "rs", "off", "hostid", "node"),
+)
+"""The default suite's cells: each fault path of a different kind, on what works today."""
