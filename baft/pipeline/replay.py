@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["REPLAY_SAFE", "StepRecord", "record_step", "replay", "replay_safe"]
 
@@ -209,7 +210,9 @@ def replay(
                 buf = spare.get(name)
                 if buf is None:
                     buf = spare[name] = torch.empty_like(p, memory_format=torch.preserve_format)
-                buf.copy_(g)
+                # a DTensor (TP) param's record is its local shard's gradient: it goes into
+                # the local part of a grad with the param's placements
+                (buf if isinstance(g, DTensor) else _local(buf)).copy_(g)
                 p.grad = buf
             for group, hyper in zip(optimizer.param_groups, rec.groups, strict=True):
                 _set_entries(group, hyper)
@@ -231,6 +234,10 @@ def replay(
         for p, grad in zip(others, others_grads, strict=True):
             p.grad = grad
         _set_scaler(optimizer, saved_scaler)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _set_scaler(optimizer: torch.optim.Optimizer, attrs: Mapping[str, Any]) -> None:
@@ -291,6 +298,8 @@ def _check_inputs(
             if name not in params:
                 raise ValueError(f"record of step {rec.step} has a grad for unknown {name!r}")
             p = params[name]
+            if not isinstance(g, DTensor):  # a local shard's record: compare with the shard
+                p = _local(p)
             if g.shape != p.shape or g.dtype != p.dtype or g.is_sparse:
                 raise ValueError(
                     f"record of step {rec.step}: grad of {name!r} is {g.dtype} "

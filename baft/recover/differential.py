@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from baft.engine.differential import decode_meta
+from baft.engine.differential import _local, decode_meta
+from baft.engine.flat import typed_view
 from baft.pipeline.replay import StepRecord, replay
 from baft.plan.payload import GRAD_PREFIX, RECORD_META, PayloadLayout
 from baft.plan.types import TensorSpec
@@ -98,8 +99,9 @@ def rebuild_from_payloads(
         grads = {}
         for g in meta["present"]:
             off, n = where[GRAD_PREFIX + g]
-            p = params[g]
-            grads[g] = raw[off : off + n].view(p.dtype).view(p.shape)
+            # a TP (DTensor) param's record holds its local shard's gradient
+            p = _local(params[g])
+            grads[g] = typed_view(raw[off : off + n], p.dtype, p.shape)
         scaler = {k: v.to(next(iter(params.values())).device) for k, v in meta["scaler"].items()}
         records.append(StepRecord(step=u - 1, grads=grads, groups=meta["groups"], scaler=scaler))
     base_of = {g: bases[layout.slice_of[g]] for g in layout.groups}

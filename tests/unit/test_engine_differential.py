@@ -31,8 +31,11 @@ WORLD = 2
 class _Model:
     """A StateSource over a tiny model and its AdamW (state created up front)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, odd_bytes: int = 0) -> None:
         torch.manual_seed(seed)
+        # an always-tensor of odd size (like extra.optim.created, a byte per deferred
+        # optimizer state) shifts every gradient record to an unaligned payload offset
+        self.odd = torch.full((odd_bytes,), seed % 251, dtype=torch.uint8)
         self.module = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(8, 4))
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-2, foreach=False)
         for p in self.module.parameters():
@@ -49,7 +52,8 @@ class _Model:
         for n, p in self.module.named_parameters():
             st = self.opt.state[p]
             out += [(f"optim.{n}.{key}", st[key]) for key in sorted(st)]
-        return [*out, ("extra.rng", self.rng)]
+        odd = [("extra.odd", self.odd)] if self.odd.numel() else []
+        return [*out, *odd, ("extra.rng", self.rng)]
 
     def capture(self) -> None:
         pass
@@ -69,6 +73,7 @@ class _Model:
         for p in self.module.parameters():
             p.grad = torch.randn(p.shape, generator=g)  # a new tensor, like set_to_none
         self.rng.add_(1)  # small state changes every version
+        self.odd.add_(1)
         self.opt.step()
 
     def flat_bytes(self) -> bytes:
@@ -78,14 +83,19 @@ class _Model:
 
 
 def _build(
-    tmp: Path, full_every: int | str, *, idle_s: float = 0.05, budget: int = 1 << 30
+    tmp: Path,
+    full_every: int | str,
+    *,
+    idle_s: float = 0.05,
+    budget: int = 1 << 30,
+    odd_bytes: int = 0,
 ) -> tuple[list[CheckpointEngine], list[_Model]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy=replicate:1,persist=0,full_every={full_every}")
     ck.store_root, ck.job_id, ck.timeout_s, ck.profile_iters = str(tmp / "shm"), "job", 5.0, 1
     ck.budget_bytes = budget
     transports = LocalTransport.group(WORLD, timeout_s=5.0)
-    models = [_Model(r) for r in range(WORLD)]
+    models = [_Model(r, odd_bytes) for r in range(WORLD)]
     engines = [
         CheckpointEngine(
             ck,
@@ -147,11 +157,13 @@ def _train(engines: list[CheckpointEngine], models: list[_Model], n: int) -> lis
     return _on_ranks(rank)
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize(("k", "odd_bytes"), [(2, 0), (3, 0), (3, 7)])
 def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
-    tmp_path: Path, k: int
+    tmp_path: Path, k: int, odd_bytes: int
 ) -> None:
-    engines, models = _build(tmp_path, k)
+    """``odd_bytes``: records at offsets not divisible by 4 are read through a copy (a
+    view raised 'storage_offset() must be divisible by 4')."""
+    engines, models = _build(tmp_path, k, odd_bytes=odd_bytes)
     states = _train(engines, models, 8)
     for r, e in enumerate(engines):
         assert e.k == k
@@ -164,7 +176,13 @@ def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
         payloads = {u: torch.from_numpy(store.read(found[u].slot, "data").copy()) for u in win}
         meta = found[7].manifest.meta["diff"]  # type: ignore[union-attr]
         assert (meta["k"], meta["slice"], meta["has_record"]) == (k, 7 % k, True)
-        fresh = _Model(seed=99)  # other weights: everything must come from the payloads
+        if odd_bytes:
+            grad0 = e.payload.layout.order(7 % k)  # type: ignore[union-attr]
+            head = [s.name for s in grad0].index(e.payload.layout.grads[0].name)  # type: ignore[union-attr]
+            assert sum(s.nbytes for s in grad0[:head]) % 4 != 0
+        fresh = _Model(
+            seed=99, odd_bytes=odd_bytes
+        )  # other weights: everything must come from the payloads
         assert fresh.flat_bytes() != states[r][7]
         done = rebuild_from_payloads(
             e.payload.layout, payloads, 7, 0, dict(fresh.named_tensors()),  # type: ignore[union-attr]
