@@ -7,6 +7,7 @@ flags onto its ``CheckpointConfig``. Defaults come from the config types.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from baft.config import SCHEDULES, CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -214,6 +215,12 @@ def run_train(a: argparse.Namespace) -> int:
         flush=True,
     )
     rc = launch(cfg, resume=a.resume)
-    if rc == 0:
+    if rc == 0 and (Path(cfg.out_dir) / "summary.json").exists():
         print(f"[baft] done: {cfg.out_dir}/summary.json", flush=True)
+    elif rc == 0 and cfg.checkpoint is not None:  # stopped by SIGTERM, flushed
+        print(
+            f"[baft] stopped: the newest state is in {cfg.checkpoint.persist_dir}; "
+            "--resume continues the job",
+            flush=True,
+        )
     return rc

@@ -3,18 +3,36 @@
 Sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that elastic restarts on gloo do not reuse
 stale peer addresses, and one compute thread per rank (two threads per rank on a 2-core
 box made pipelines 3-6x slower).
+
+SIGTERM to the launcher (a scheduler's preemption, a wrapper's ``kill``) goes on to
+torchrun, which passes it to the workers: they agree, flush the newest state to DCP and
+exit. The launcher returns only once torchrun and every worker are gone (bounded, see
+:func:`run_agent`), with the workers' verdict: 0 when a DCP checkpoint holds every
+finished iteration, non-zero otherwise. A wrapper that waits for ``baft train`` may then
+read the checkpoint at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from baft.config import TrainConfig, default_job_id
+
+log = logging.getLogger("baft")
+
+AGENT_GRACE_S = 30.0
+"""How long torchrun waits for its workers after passing a signal on, before SIGKILL."""
 
 
 def torchrun_command(cfg_path: Path, nproc: int, max_restarts: int = 0) -> list[str]:
@@ -98,4 +116,141 @@ def launch(
         max_restarts = cfg.checkpoint.max_restarts if cfg.checkpoint else 0
     cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts)
     stdout = subprocess.DEVNULL if quiet else None
-    return subprocess.run(cmd, env=launch_env(), stdout=stdout, check=False).returncode
+    ck = cfg.checkpoint
+    flush_s = ck.flush_timeout_s if ck is not None else 0.0
+    return run_agent(
+        cmd,
+        stdout=stdout,
+        wait_s=AGENT_GRACE_S + flush_s + 30.0,
+        verdict=lambda: _flush_verdict(cfg),
+    )
+
+
+def run_agent(
+    cmd: list[str],
+    *,
+    stdout: int | None = None,
+    wait_s: float = 90.0,
+    verdict: Callable[[], bool] = lambda: False,
+) -> int:
+    """Run torchrun ``cmd`` to its end; returns its exit code, or after a SIGTERM the
+    workers' verdict.
+
+    A SIGTERM to this process is passed on to torchrun (which passes it to its workers,
+    waits up to 30 s and then kills them), and this process waits for torchrun and every
+    process under it for at most ``wait_s`` seconds, then kills what is left. It returns
+    0 when torchrun succeeded or, torchrun having exited on the signal, ``verdict()``
+    says the workers' flush holds every finished iteration; else torchrun's code, or
+    128 + SIGTERM."""
+    agent = subprocess.Popen(cmd, env=launch_env(), stdout=stdout)
+    stopping = threading.Event()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if agent.poll() is None and not stopping.is_set():
+            stopping.set()
+            log.warning(
+                "SIGTERM: passed on to the workers; waiting up to %.0f s for them to flush "
+                "and exit",
+                wait_s,
+            )
+            agent.send_signal(signum)
+
+    installed = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, forward) if installed else None
+    try:
+        rc = _wait_agent(agent, stopping, wait_s)
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+    if not stopping.is_set() or rc == 0:
+        return rc
+    if verdict():
+        log.warning("SIGTERM: the workers flushed and exited; the checkpoint is complete")
+        return 0
+    log.error(
+        "SIGTERM: the workers exited without a checkpoint of every finished iteration "
+        "(torchrun exit code %d)",
+        rc,
+    )
+    return rc if rc > 0 else 128 + signal.SIGTERM
+
+
+def _wait_agent(agent: subprocess.Popen[bytes], stopping: threading.Event, wait_s: float) -> int:
+    """torchrun's exit code once it and every process under it are gone; after a
+    forwarded signal at most ``wait_s`` seconds, then what is left is killed."""
+    while True:
+        try:
+            agent.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if stopping.is_set():
+                break
+    deadline = time.monotonic() + wait_s
+    tree = _descendants(agent.pid)
+    while agent.poll() is None and time.monotonic() < deadline:
+        tree |= _descendants(agent.pid)
+        time.sleep(0.05)
+    while time.monotonic() < deadline and any(_alive(p) for p in tree):
+        time.sleep(0.05)
+    left = [p for p in tree if _alive(p)]
+    if agent.poll() is None or left:
+        log.error(
+            "SIGTERM: torchrun or %d worker(s) still running after %.0f s: killing them",
+            len(left),
+            wait_s,
+        )
+        for pid in left:
+            _kill(pid)
+        agent.kill()
+    return agent.wait()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _flush_verdict(cfg: TrainConfig) -> bool:
+    """Whether the run's newest complete DCP checkpoint holds every iteration a rank
+    finished (what a SIGTERM flush writes)."""
+    from baft.engine.persister import latest_version
+    from baft.recover.report import progress_seen
+
+    ck = cfg.checkpoint
+    if ck is None or not ck.persist_dir:
+        return False
+    latest = latest_version(ck.persist_dir)
+    return latest is not None and latest >= progress_seen(Path(cfg.out_dir))
