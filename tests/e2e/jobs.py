@@ -36,14 +36,21 @@ ITERATIONS = 16
 TIMEOUT_S = 10.0
 """Watchdog and collective timeout of every protected job (a hang is detected after it)."""
 MAX_RESTARTS = 4
-ADDRS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
+ADDRS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5", "e": "127.0.0.6"}
 
 
 def microbatches(case: Case) -> int:
     return max(2, case.dims[1])
 
 
-def gpt_config(case: Case, out: Path, store_root: Path | None, job_id: str = "") -> TrainConfig:
+def gpt_config(
+    case: Case,
+    out: Path,
+    store_root: Path | None,
+    job_id: str = "",
+    iterations: int = ITERATIONS,
+    max_restarts: int = MAX_RESTARTS,
+) -> TrainConfig:
     dp, pp, tp = case.dims
     interleaved = case.schedule == "interleaved-1f1b"
     cfg = TrainConfig(
@@ -52,7 +59,7 @@ def gpt_config(case: Case, out: Path, store_root: Path | None, job_id: str = "")
             num_dp=dp, num_pp=pp, num_tp=tp, schedule=case.schedule,
             num_microbatches=microbatches(case), ranks_per_node=case.world // 2,
         ),
-        num_iterations=ITERATIONS,
+        num_iterations=iterations,
         global_batch=dp * microbatches(case) * 2,
         out_dir=str(out),
     )  # fmt: skip
@@ -68,7 +75,7 @@ def gpt_config(case: Case, out: Path, store_root: Path | None, job_id: str = "")
             job_id=job_id,
             persist_dir=str(out / "checkpoints"),
             timeout_s=TIMEOUT_S,
-            max_restarts=MAX_RESTARTS,
+            max_restarts=max_restarts,
         )
     return cfg
 
@@ -93,7 +100,9 @@ def user_args(case: Case, out: Path, store_root: Path | None, job_id: str = "") 
     ]
 
 
-def torchrun(nproc: int, log_dir: Path, rdzv: tuple[int, str, str] | None) -> list[str]:
+def torchrun(
+    nproc: int, log_dir: Path, rdzv: tuple[int, str, str] | None, max_restarts: int = MAX_RESTARTS
+) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if rdzv is None:
         cmd.append("--standalone")
@@ -105,7 +114,7 @@ def torchrun(nproc: int, log_dir: Path, rdzv: tuple[int, str, str] | None) -> li
             f"--local-addr={addr}",
         ]  # fmt: skip
     return cmd + [
-        f"--max-restarts={MAX_RESTARTS}",
+        f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
         f"--log-dir={log_dir}",
         "--redirects=3",
@@ -190,6 +199,8 @@ class Job:
     rdzv: Any = None
     port: int | None = None
     launches: int = 0
+    iterations: int = ITERATIONS
+    max_restarts: int = MAX_RESTARTS
     log: list[str] = field(default_factory=list)
 
     @property
@@ -201,10 +212,10 @@ class Job:
         two = c.hosts != "one"
         nproc = c.world // 2 if two else c.world
         rdzv = (port, f"mx{self.launches}", ADDRS[host]) if two and port else None
-        head = torchrun(nproc, out / f"logs-{host}-{self.launches}", rdzv)
+        head = torchrun(nproc, out / f"logs-{host}-{self.launches}", rdzv, self.max_restarts)
         store = self.root / host
         if c.app == "gpt":
-            cfg = gpt_config(c, out, store, self.job_id)
+            cfg = gpt_config(c, out, store, self.job_id, self.iterations, self.max_restarts)
             cfg.validate()
             path = out / f"config-{host}.json"
             path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -262,9 +273,14 @@ class Job:
         return out
 
     def tail(self, chars: int = 3000) -> str:
+        """The agents' output and the end of every worker log that has a traceback."""
         texts = []
         for log in sorted(self.out.glob("agent-*.log")):
             texts.append(f"--- {log.name}\n{log.read_text()[-chars:]}")
+        for log in sorted(self.out.glob("logs-*/**/*.log")):
+            text = log.read_text(errors="replace")
+            if "Traceback" in text:
+                texts.append(f"--- {log.relative_to(self.out)}\n{text[-chars:]}")
         return "\n".join(texts)
 
 
@@ -367,14 +383,14 @@ def user_result(out: Path, world: int) -> dict[str, Any]:
     return {"losses": losses, "iterations": sorted(losses), "state": state}
 
 
-def reference(case: Case, out: Path) -> dict[str, Any]:
+def reference(case: Case, out: Path, iterations: int = ITERATIONS) -> dict[str, Any]:
     """The same training without baft (``--no-checkpoint`` / ``--unprotected``)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     if case.app == "gpt":
         from baft.train.launch import prepare_run_dir
 
-        cfg = gpt_config(case, out, None)
+        cfg = gpt_config(case, out, None, iterations=iterations)
         cfg.validate()
         cmd = [*torchrun(case.world, out / "logs", None), "-m", "baft.train.worker"]
         cmd.append(str(prepare_run_dir(cfg)))
@@ -400,42 +416,46 @@ def check(case: Case, job: Job, rcs: dict[str, int | None], ref: dict[str, Any])
         # nothing durable and every memory gone: a loud refusal, never a silent start over
         if all(rc == 0 for rc in rcs.values()):
             problems.append(f"power loss without DCP ended with rc 0 (recoveries {sources})")
-        elif "refusing to start over" not in job.tail(
-            100_000
-        ) and "nothing can be restored" not in job.tail(100_000):
+        elif not any(m in job.tail(100_000) for m in ("refusing to start over", "nothing can")):
             problems.append("power loss without DCP failed without saying nothing can be restored")
         return problems
     if any(rc != 0 for rc in rcs.values()):
         return [f"agents ended with {rcs}"]
-    try:
-        got = gpt_result(job.out) if case.app == "gpt" else user_result(job.out, case.world)
-    except (OSError, KeyError, ValueError) as e:
-        return [f"results missing: {e!r}"]
+    problems += check_training(case, job, ref, ITERATIONS)
     if not recs:
         problems.append("no recovery was recorded")
     if case.fault in ("kill", "node", "hang"):
         if any(s != "memory" for s in sources):
             problems.append(
-                f"recoveries not all from memory: {[(r.get('source'), r.get('reason')) for r in recs]}"
+                "recoveries not all from memory: "
+                f"{[(r.get('source'), r.get('reason')) for r in recs]}"
             )
     elif recs and recs[-1].get("source") != "disk":
         problems.append(
-            f"the relaunch restored from {recs[-1].get('source')}, not DCP: {recs[-1].get('reason')}"
+            f"the relaunch restored from {recs[-1].get('source')}, not DCP: "
+            f"{recs[-1].get('reason')}"
         )
     elif case.fault == "sigterm" and recs and recs[-1].get("lost_iterations") != 0:
         problems.append(f"the SIGTERM flush lost iterations: {recs[-1]}")
-    if case.app == "gpt" and got["iterations"] != list(range(ITERATIONS)):
+    return problems
+
+
+def check_training(case: Case, job: Job, ref: dict[str, Any], iterations: int) -> list[str]:
+    """Losses and every rank's final state against the unprotected run's."""
+    try:
+        got = gpt_result(job.out) if case.app == "gpt" else user_result(job.out, case.world)
+    except (OSError, KeyError, ValueError) as e:
+        return [f"results missing: {e!r}"]
+    problems: list[str] = []
+    if case.app == "gpt" and got["iterations"] != list(range(iterations)):
         problems.append(f"iterations logged {got['iterations']}")
     diff = [i for i, v in got["losses"].items() if ref["losses"].get(i) != v]
     if diff:
         problems.append(f"losses differ from the unprotected run at iterations {diff}")
     if got["state"] != ref["state"]:
         if case.app == "gpt":
-            bad = sorted(
-                k
-                for k, v in got["state"]["rank_digests"].items()
-                if ref["state"]["rank_digests"].get(k) != v
-            )
+            digests = ref["state"]["rank_digests"]
+            bad = sorted(k for k, v in got["state"]["rank_digests"].items() if digests.get(k) != v)
         else:
             bad = sorted(r for r in got["state"] if got["state"][r] != ref["state"][r])
         problems.append(f"final state differs from the unprotected run on {bad}")
