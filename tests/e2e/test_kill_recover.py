@@ -37,13 +37,16 @@ def _config(
     redundancy: str = "xor:2",
     ranks_per_node: int = 0,
     iterations: int = 12,
+    num_dp: int = 2,
+    num_tp: int = 1,
     **ck: Any,
 ) -> TrainConfig:
     cfg = tiny_config(
         out,
         iterations=iterations,
         batch=8,
-        num_dp=2,
+        num_dp=num_dp,
+        num_tp=num_tp,
         num_pp=2,
         num_microbatches=2,
         ranks_per_node=ranks_per_node,
@@ -397,3 +400,22 @@ def test_differential_keeps_its_layout_rather_than_replan_and_restores_the_first
     assert r["source"] == "memory" and r["restored_version"] == 3, r
     assert r["lost_iterations"] == 1, r
     assert r["replay"]["replayed_steps"] == 3, r  # records of steps 1..3 onto slices of v0..
+
+
+def test_differential_restore_with_tensor_parallel_shards(tmp_path: Path, store: Path) -> None:
+    """TP=2 with differential checkpoints: every gradient record holds a TP shard's local
+    gradient and is replayed into the DTensor params' local shards (issue 28: the restore
+    viewed records with the DTensor's global shape and failed every restart)."""
+    ref = run_job(_config(tmp_path / "ref", None, [], num_dp=1, num_tp=2))
+    failed = run_job(
+        _config(
+            tmp_path / "tp", store, ["kill:rank=1,iter=9"], num_dp=1, num_tp=2, full_every=3
+        )
+    )  # fmt: skip
+    assert_same_training(failed, ref, 12)
+    assert sorted(failed["summary"]["rank_digests"]) == [
+        f"dp0.pp{p}.tp{t}" for p in range(2) for t in range(2)
+    ]
+    (crash,) = failed["summary"]["recoveries"]
+    assert crash["source"] == "memory" and crash["restored_version"] == 8, crash
+    assert crash["replay"]["replayed_steps"] == 2, crash
