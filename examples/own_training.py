@@ -101,6 +101,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/example")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--inject", action="append", default=[])
+    p.add_argument("--persist-every", type=int, default=0, help="DCP every N checkpoints")
     p.add_argument("--unprotected", action="store_true", help="the same loop without baft")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -134,7 +135,9 @@ def main() -> None:
             optimizer=optimizer,
             run_dir=a.out,
             checkpoint=baft.CheckpointConfig(
-                policy=baft.CheckpointPolicy(redundancy="replicate:1", persist_every=0),
+                policy=baft.CheckpointPolicy(
+                    redundancy="replicate:1", persist_every=a.persist_every
+                ),
                 profile_iters=1,
                 cost={"copy_Bps": 1e9},  # skip the start-up copy benchmark
                 inject=a.inject,

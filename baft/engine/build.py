@@ -10,6 +10,7 @@ benchmark all build engines through it.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,15 @@ from baft.config import CheckpointConfig
 from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
-from baft.engine.persister import Persister
+from baft.engine.persister import Persister, PersistKeys, choose_persist_keys
 from baft.engine.termination import Termination
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
 from baft.pipeline.mesh import Mesh
 from baft.pipeline.step import StepRunner
 from baft.store.shm import SnapshotStore
+
+log = logging.getLogger("baft")
 
 
 class RunnerState:
@@ -103,6 +106,19 @@ def make_injector(ck: CheckpointConfig, run_dir: Path, mesh: Mesh) -> Any:
     return injector
 
 
+def agree_persist_keys(transport: Transport, mesh: Mesh, names: list[str]) -> PersistKeys:
+    """This rank's DCP keys: plain FQNs unless two pipeline stages share one (then every
+    key names its stage, see :class:`PersistKeys`). Collective; one rank per stage sends
+    its names, every rank reaches the same scheme."""
+    c = mesh.coords
+    mine = (c.pp, names) if c.dp == 0 and c.tp == 0 else None
+    gathered = [s for s in transport.all_gather_object(mine) if s is not None]
+    scheme, reason = choose_persist_keys(gathered)
+    if mesh.rank == 0:
+        log.info("%s", reason)
+    return PersistKeys(scheme=scheme, pp=c.pp)
+
+
 def build_engine(
     ck: CheckpointConfig,
     run_dir: str | Path,
@@ -133,6 +149,7 @@ def build_engine(
     worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
     peers = find_same_host_peers(transport, store.path, enabled=ck.exchange == "auto")
     policy = ck.policy
+    state = RunnerState(runner)
     persister = None
     if persist and ck.persist_dir and (policy.persist_every or ck.flush_on_sigterm):
         persister = Persister(
@@ -153,10 +170,11 @@ def build_engine(
         persister=persister,
         injector=make_injector(ck, run_dir, mesh),
         termination=Termination().install() if persister and ck.flush_on_sigterm else None,
+        keys=agree_persist_keys(transport, mesh, [n for n, _ in state.named_tensors()]),
     )
     engine = engine_cls(
         ck, run_dir, topology=mesh.topology, rank=mesh.rank, device=mesh.device,
-        state=RunnerState(runner), parts=parts,
+        state=state, parts=parts,
     )  # fmt: skip
     runner.hooks = engine
     return engine

@@ -39,7 +39,7 @@ from baft.config import CheckpointConfig
 from baft.engine.device import ChunkCopy, DeviceCopy, HostPins
 from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.flat import FlatState, Piece
-from baft.engine.persister import Persister, persist_name
+from baft.engine.persister import KEYS_META, Persister, PersistKeys
 from baft.engine.persisting import LiveCopy, flush, replica_share, slot_views
 from baft.engine.planning import (
     REPLAN_AFTER_CHECKPOINTS,
@@ -122,6 +122,8 @@ class EngineParts:
     """A :class:`baft.faults.injector.FaultInjector`, or None."""
     termination: Termination | None = None
     """SIGTERM flag: flush to DCP and exit at the next agreed commit (None: off)."""
+    keys: PersistKeys = PersistKeys()
+    """DCP keys of this rank's tensors (the job's scheme, agreed by every rank)."""
 
 
 class CheckpointEngine:
@@ -159,6 +161,7 @@ class CheckpointEngine:
         self.peers = parts.peers
         self.injector = parts.injector
         self.termination = parts.termination
+        self.persist_keys = parts.keys
         self.redundancy = Redundancy.parse(self.policy.redundancy)
         coding_groups(self.topology, self.redundancy)  # validates the layout early
         self.votes = CommitVote(self.transport, self.store)
@@ -183,7 +186,7 @@ class CheckpointEngine:
         self.payload: PayloadViews | None = None
         self.records: RecordCapture | None = None
         self._k_reason = "full_every=1"
-        self._persist_copy = LiveCopy(device)
+        self._persist_copy = LiveCopy(device, self.persist_keys)
         self._rotation_k: int | None = None
         self._iteration_s = 0.0
         self._last_step_t: float | None = None
@@ -741,7 +744,7 @@ class CheckpointEngine:
             self._reclaim_foreign(version)
         if version is None:
             return
-        meta = {"version": version, "rank_meta": {}, "world_size": self.topology.world_size}
+        meta = self._persist_meta(version)
         if self.k > 1:
             views = self._persist_copy.take(version)
             if views is not None:
@@ -758,7 +761,9 @@ class CheckpointEngine:
             sched = self.schedule
             self.persists.start(
                 version,
-                lambda: slot_views(self.flat, data, sched.owned_start, sched.owned_stop),
+                lambda: slot_views(
+                    self.flat, data, sched.owned_start, sched.owned_stop, self.persist_keys
+                ),
                 meta,
             )
 
@@ -775,10 +780,19 @@ class CheckpointEngine:
             c = self.topology.coords(self.rank)
             named = list(zip(self.flat.names, self.flat.tensors, strict=True))
             share = replica_share(named, c.dp, self.topology.num_dp)
-            meta = {"version": iteration, "rank_meta": {}, "world_size": self.topology.world_size}
-            state = {persist_name(n): t for n, t in share}
+            meta = self._persist_meta(iteration)
+            state = {self.persist_keys(n): t for n, t in share}
             flush(persister, iteration, state, meta, self.ck.flush_timeout_s, self.ck.persist_dir)
         raise SystemExit(0)
+
+    def _persist_meta(self, version: int) -> dict[str, Any]:
+        """What a DCP checkpoint of ``version`` records in its ``baft_meta.json``."""
+        return {
+            "version": version,
+            "rank_meta": {},
+            "world_size": self.topology.world_size,
+            KEYS_META: self.persist_keys.scheme,
+        }
 
     def _quiesce(self) -> None:
         """Nothing may still read the store's mappings: they are about to be replaced

@@ -30,6 +30,7 @@ import queue
 import re
 import shutil
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +63,79 @@ _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 def persist_name(flat_name: str) -> str:
     """DCP key of a flat-state tensor: model params keep their plain FQN."""
     return flat_name[len("model.") :] if flat_name.startswith("model.") else flat_name
+
+
+KEYS_META = "dcp_keys"
+"""Entry of a checkpoint's metadata naming its key scheme (absent: ``"fqn"``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PersistKeys:
+    """How one rank names its flat-state tensors in DCP checkpoints.
+
+    ``scheme="fqn"``: :func:`persist_name` (plain FQNs, loadable into a fresh full
+    model). ``scheme="pp"``: every key but the ``extra.*`` records (which carry their
+    coordinates already) gets the rank's pipeline coordinate, ``pp{pp}.``, in front, for
+    jobs whose stages share FQNs (a fresh ``nn.Sequential`` per stage): DCP keeps one
+    writer per key, so unprefixed stages would overwrite each other. The same on every
+    rank and launch: :func:`choose_persist_keys` decides it from every stage's names.
+    """
+
+    scheme: str = "fqn"
+    """"fqn" or "pp"."""
+    pp: int = 0
+    """This rank's pipeline coordinate (used by "pp")."""
+
+    def __post_init__(self) -> None:
+        assert self.scheme in ("fqn", "pp"), self.scheme
+
+    def __call__(self, flat_name: str) -> str:
+        """DCP key of ``flat_name`` (``model.<fqn>``, ``buffer.<fqn>``, ``optim.*``, ``extra.*``)."""
+        key = persist_name(flat_name)
+        if self.scheme == "pp" and not flat_name.startswith("extra."):
+            return f"pp{self.pp}.{key}"
+        return key
+
+
+def choose_persist_keys(stage_names: Iterable[tuple[int, Iterable[str]]]) -> tuple[str, str]:
+    """The key scheme of a job (pure): ``("fqn", reason)`` when no DCP key of a flat-state
+    name repeats across pipeline coordinates, else ``("pp", reason)`` naming one that does.
+
+    ``stage_names``: (pp coordinate, flat-state names) of one rank per pipeline
+    coordinate, or of more (TP and DP peers of a stage share names; that is no clash)."""
+    owner: dict[str, int] = {}
+    for pp, names in sorted(stage_names, key=lambda s: s[0]):
+        for name in names:
+            if name.startswith("extra."):
+                continue
+            key = persist_name(name)
+            first = owner.setdefault(key, pp)
+            if first != pp:
+                return "pp", (
+                    f"DCP keys carry the pipeline stage (pp<i>.<fqn>): {key!r} is on "
+                    f"pp{first} and pp{pp}"
+                )
+    return "fqn", "DCP keys are the plain FQNs (unique across pipeline stages)"
+
+
+def check_persist_keys(meta: dict[str, Any], keys: PersistKeys, where: str) -> None:
+    """Raise ValueError unless checkpoint metadata ``meta`` (of ``where``) was written
+    with ``keys``' scheme; call it before loading a byte."""
+    saved = meta.get(KEYS_META, "fqn")
+    if saved == keys.scheme:
+        return
+    if keys.scheme == "pp":
+        raise ValueError(
+            f"{where} keys tensors by their plain FQNs, but this job's pipeline stages share "
+            f"FQNs: its stages overwrote each other's tensors in it, so it cannot be restored "
+            f"(written by a baft without stage-unique keys). Delete it, or pick another "
+            f"CheckpointConfig.persist_dir, and start over (allow_fresh_start=True)"
+        )
+    raise ValueError(
+        f"{where} keys tensors as {saved!r} (pp<i>.<fqn>: its stages shared FQNs), but "
+        f"this job's FQNs are unique across stages, so its model differs from the saved "
+        f"one; restore it with the model it was written with"
+    )
 
 
 def version_dir(directory: str | Path, version: int) -> Path:

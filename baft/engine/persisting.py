@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,25 +36,29 @@ def replica_share(
 
 
 def slot_views(
-    flat: FlatState, data: torch.Tensor, start: int, stop: int
+    flat: FlatState,
+    data: torch.Tensor,
+    start: int,
+    stop: int,
+    key: Callable[[str], str] = persist_name,
 ) -> dict[str, torch.Tensor]:
     """Whole tensors of the flat range ``[start, stop)`` this rank owns, as typed views of
-    a slot's bytes ``data`` (which begin at flat offset ``start``)."""
+    a slot's bytes ``data`` (which begin at flat offset ``start``), by DCP ``key``."""
     out: dict[str, torch.Tensor] = {}
     for name, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True):
         n = t.numel() * t.element_size()
         if start <= off and off + n <= stop:
-            out[persist_name(name)] = (
-                data[off - start : off - start + n].view(t.dtype).view(t.shape)
-            )
+            out[key(name)] = data[off - start : off - start + n].view(t.dtype).view(t.shape)
     return out
 
 
 class LiveCopy:
     """A background copy of live tensors into one reused host buffer (pinned on CUDA)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, key: Callable[[str], str] = persist_name) -> None:
         self.device = device
+        self.key = key
+        """DCP key of a flat-state name."""
         self._buf: torch.Tensor | None = None
         self.version: int | None = None
         self.views: dict[str, torch.Tensor] = {}
@@ -71,9 +76,7 @@ class LiveCopy:
         buf = self._buf
         copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
         self.views = {
-            persist_name(n): buf[off : off + t.numel() * t.element_size()]
-            .view(t.dtype)
-            .view(t.shape)
+            self.key(n): buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for n, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True)
         }
         self.version = version

@@ -41,7 +41,13 @@ import torch
 
 from baft.engine.engine import CheckpointEngine
 from baft.engine.peers import host_id
-from baft.engine.persister import list_versions, load_version, persist_name
+from baft.engine.persister import (
+    check_persist_keys,
+    list_versions,
+    load_version,
+    read_metadata,
+    version_dir,
+)
 from baft.engine.transport import Handle, Transport
 from baft.recover.coordinator import (
     Located,
@@ -646,13 +652,12 @@ def _evict_page_cache(path: Path) -> None:
 
 def _load_from_disk(engine: CheckpointEngine, plan: RecoveryPlan, directory: str) -> None:
     assert plan.version is not None
+    where = version_dir(directory, plan.version)
+    check_persist_keys(read_metadata(directory, plan.version), engine.persist_keys, str(where))
     if os.environ.get("BAFT_COLD_DISK_RESTORE") == "1":
-        from baft.engine.persister import version_dir
-
-        _evict_page_cache(version_dir(directory, plan.version))
-    state = {
-        persist_name(n): t for n, t in zip(engine.flat.names, engine.flat.tensors, strict=True)
-    }
+        _evict_page_cache(where)
+    key = engine.persist_keys
+    state = {key(n): t for n, t in zip(engine.flat.names, engine.flat.tensors, strict=True)}
     group = getattr(engine.transport, "group", None)
     with torch.no_grad():
         load_version(directory, plan.version, state, process_group=group)

@@ -61,10 +61,9 @@ def test_example_recovers_bit_exactly(tmp_path: Path) -> None:
         assert plain["start"] == 0
         assert crashed["start"] in (4, 5)  # the restored version
         assert "1.running_mean" in plain["states"][0]["module"]  # BatchNorm on stage 0
+        _assert_same_states(crashed, plain)
         for rank in range(2):
-            got, want = crashed["states"][rank], plain["states"][rank]
-            for part in ("module", "optimizer", "scheduler", "sampler", "rng"):
-                assert got[part] == want[part], (rank, part)
+            want = plain["states"][rank]
             # the parts hold what they should: buffers, momentum, a scheduler past warmup
             params = [k for k in want["module"] if k.endswith(("weight", "bias"))]
             assert len(want["optimizer"]["state"]) == len(params), rank
@@ -89,6 +88,30 @@ def test_example_recovers_bit_exactly(tmp_path: Path) -> None:
         assert rec["sources"] == {"0": "local", "1": "local"}, rec
     finally:
         shutil.rmtree(Path("/dev/shm/baft") / _job(tmp_path / "crashed"), ignore_errors=True)
+
+
+def _assert_same_states(got: dict, want: dict) -> None:
+    """Every rank ended with the same bytes in every part of its state."""
+    for rank in range(2):
+        for part in ("module", "optimizer", "scheduler", "sampler", "rng"):
+            assert got["states"][rank][part] == want["states"][rank][part], (rank, part)
+
+
+@pytest.mark.slow  # ~60 s; tests/dist/test_persist_stages.py is the fast version
+def test_power_loss_resumes_from_dcp_into_the_right_stage(tmp_path: Path) -> None:
+    """The example's stages are a fresh nn.Sequential each (both hold ``0.weight``):
+    persisted every 2 checkpoints, then every rank killed and every store wiped; the
+    restarted job resumes from DCP and ends where the loop without baft ends."""
+    plain = _run(tmp_path / "plain", "--unprotected")
+    out = tmp_path / "power"
+    try:
+        got = _run(out, "--persist-every", "2", "--inject", "power:iter=7")
+    finally:
+        shutil.rmtree(Path("/dev/shm/baft") / _job(out), ignore_errors=True)
+    (rec,) = [json.loads(x) for x in (out / "recoveries.jsonl").read_text().splitlines()]
+    assert rec["source"] == "disk" and rec["restored_version"] < 7, rec
+    assert got["start"] == rec["restored_version"]
+    _assert_same_states(got, plain)
 
 
 def _job(out: Path) -> str:

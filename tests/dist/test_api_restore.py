@@ -100,13 +100,17 @@ def _setup(
 
 
 def _protect(
-    s: dict[str, Any], root: str, state: dict[str, Any] | None = None, full_every: int = 1
+    s: dict[str, Any],
+    root: str,
+    state: dict[str, Any] | None = None,
+    full_every: int = 1,
+    persist_every: int = 0,
 ) -> Any:
     import baft
 
     ck = baft.CheckpointConfig(
         policy=baft.CheckpointPolicy(
-            redundancy="replicate:1", persist_every=0, full_every=full_every
+            redundancy="replicate:1", persist_every=persist_every, full_every=full_every
         ),
         store_root=str(Path(root) / "shm"),
         job_id="restore-test",
