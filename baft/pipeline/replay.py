@@ -297,13 +297,12 @@ def _check_inputs(
         for name, g in rec.grads.items():
             if name not in params:
                 raise ValueError(f"record of step {rec.step} has a grad for unknown {name!r}")
-            p = params[name]
-            if not isinstance(g, DTensor):  # a local shard's record: compare with the shard
-                p = _local(p)
-            if g.shape != p.shape or g.dtype != p.dtype or g.is_sparse:
+            # a local shard's record (a plain tensor for a DTensor param): compare with the shard
+            t: torch.Tensor = params[name] if isinstance(g, DTensor) else _local(params[name])
+            if g.shape != t.shape or g.dtype != t.dtype or g.is_sparse:
                 raise ValueError(
                     f"record of step {rec.step}: grad of {name!r} is {g.dtype} "
-                    f"{tuple(g.shape)}, the param {p.dtype} {tuple(p.shape)} (dense)"
+                    f"{tuple(g.shape)}, the param {t.dtype} {tuple(t.shape)} (dense)"
                 )
     return by_param
 
