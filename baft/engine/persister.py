@@ -61,8 +61,13 @@ _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 
 
 def persist_name(flat_name: str) -> str:
-    """DCP key of a flat-state tensor: model params keep their plain FQN."""
-    return flat_name[len("model.") :] if flat_name.startswith("model.") else flat_name
+    """DCP key of a flat-state tensor: model params and persistent buffers keep their
+    plain FQN (the keys of ``module.state_dict()``, so a persisted checkpoint loads into
+    a fresh model with plain ``dcp.load``), optimizer state and records keep their names."""
+    for prefix in ("model.", "buffer."):
+        if flat_name.startswith(prefix):
+            return flat_name[len(prefix) :]
+    return flat_name
 
 
 KEYS_META = "dcp_keys"

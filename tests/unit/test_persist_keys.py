@@ -53,7 +53,7 @@ def test_repeated_fqns_across_stages_get_stage_keys() -> None:
         "extra.pp1.tp0.optim.created",
         "extra.pp1.tp0.rng.cpu",
     ]
-    assert keys[0]("buffer.1.running_mean") == "pp0.buffer.1.running_mean"
+    assert keys[0]("buffer.1.running_mean") == "pp0.1.running_mean"
     written = [keys[pp](n) for pp, s in stages.items() for n, _ in s]
     assert len(set(written)) == len(written)
 
@@ -83,10 +83,13 @@ def test_every_write_path_keys_by_stage_and_plain_dcp_loads_each_stage(tmp_path:
     for m in modules:  # non-trivial values, distinct per stage
         for p in m.parameters():
             p.data.add_(torch.arange(p.numel(), dtype=p.dtype).view(p.shape))
+        for t in m.buffers():  # BatchNorm statistics that training moved
+            t.add_(torch.arange(1, t.numel() + 1, dtype=t.dtype).view(t.shape))
     written: dict[str, torch.Tensor] = {}
     for pp, m in enumerate(modules):
         key = PersistKeys(scheme="pp", pp=pp)
         named = [(f"model.{n}", p.detach()) for n, p in m.named_parameters()]
+        named += [(f"buffer.{n}", b) for n, b in m.named_buffers()]  # BatchNorm's
         flat = FlatState(named)
         data = torch.empty(flat.nbytes, dtype=torch.uint8)  # a committed slot's bytes
         for dst, src in flat.pairs(flat.pieces(0, flat.nbytes), data):
@@ -98,11 +101,7 @@ def test_every_write_path_keys_by_stage_and_plain_dcp_loads_each_stage(tmp_path:
         copier.synchronize()
         copied = live.take(3)
         assert copied is not None
-        assert (
-            sorted(views)
-            == sorted(copied)
-            == sorted(f"pp{pp}.{n}" for n, _ in m.named_parameters())
-        )
+        assert sorted(views) == sorted(copied) == sorted(f"pp{pp}.{n}" for n in m.state_dict())
         assert f"pp{pp}.0.weight" in views
         for k in views:
             assert torch.equal(views[k], copied[k]), k
@@ -111,11 +110,13 @@ def test_every_write_path_keys_by_stage_and_plain_dcp_loads_each_stage(tmp_path:
     dcp.save(written, checkpoint_id=str(tmp_path), no_dist=True)
     for pp, m in enumerate(modules):
         fresh = _sequential(pp)
-        want = {n: p.detach().clone() for n, p in m.named_parameters()}
-        target = {f"pp{pp}.{n}": p.detach() for n, p in fresh.named_parameters()}
+        want = {n: t.clone() for n, t in m.state_dict().items()}
+        # the user's mapping: stage i's own state_dict() keys behind pp<i>.
+        target = {f"pp{pp}.{n}": t for n, t in fresh.state_dict().items()}
         dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True)
-        for n, p in fresh.named_parameters():
-            assert torch.equal(p.detach(), want[n]), (pp, n)
+        assert sorted(fresh.state_dict()) == sorted(want)
+        for n, t in fresh.state_dict().items():
+            assert torch.equal(t, want[n]), (pp, n)
 
 
 def test_a_restore_refuses_a_checkpoint_of_another_scheme() -> None:
