@@ -50,6 +50,7 @@ from torch.distributed.pipelining import PipelineStage
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
 from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
+from baft.pipeline.layout import check_no_sharded_replicas, check_replica_layouts
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
 from baft.pipeline.step import StepResult, StepRunner
@@ -76,6 +77,24 @@ def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:
         num_pp=sizes["pp"], num_dp=sizes["dp"], num_tp=sizes["tp"], ranks_per_node=ranks_per_node
     )
     return mesh_view(device_mesh, topo, device)
+
+
+def _exchange_layouts(runner: StepRunner, mesh: Mesh) -> dict[str, str]:
+    """Every ``(pp, tp)``'s state layout digest, after checking that the DP ranks of this
+    rank's ``(pp, tp)`` hold the same tensors (names, shapes, placements, offsets): ranks
+    that do not are shards, not replicas, and baft refuses them here, before the first
+    step (ValueError naming the first differing tensor). Collective: the layouts over the
+    dp group, the digests over the world."""
+    c = mesh.coords
+    if mesh.topology.num_dp > 1:
+        layouts: list[Any] = [None] * dist.get_world_size(mesh.dp_group)
+        dist.all_gather_object(
+            layouts, ((c.pp, c.dp, c.tp), runner.state.layout()), group=mesh.dp_group
+        )
+        check_replica_layouts(layouts)
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, (f"pp{c.pp}.tp{c.tp}", runner.state.layout_digest))
+    return dict(digests)
 
 
 class Protected:
@@ -279,9 +298,11 @@ def protect(
     enabled = checkpointing and instrument
     if enabled:  # a baseline without checkpoints has no policy to check
         ck.validate(mesh.topology)
+    modules = [s.submod for s in stages]
+    check_no_sharded_replicas(modules, optimizer, dist.get_process_group_ranks(mesh.dp_group))
     runner = StepRunner(
         mesh=mesh,
-        modules=[s.submod for s in stages],
+        modules=modules,
         stages=stages,
         schedule=schedule,
         optimizer=optimizer,
@@ -292,6 +313,11 @@ def protect(
         extra_capacity_bytes=extra_capacity_bytes,
         average_gradients=average_gradients,
     )
+    try:
+        runner.layout_digests = _exchange_layouts(runner, mesh)
+    except ValueError:
+        runner.close()  # the schedule and optimizer are the user's again
+        raise
     watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
     protected = Protected(runner, mesh, run_dir, ck if enabled else None, watchdog, engine_cls)
     protected.own_mesh = mesh.mesh if device_mesh is None else None

@@ -65,6 +65,14 @@ class RunnerState:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._named)
 
+    @property
+    def layout_digests(self) -> dict[str, str]:
+        """Every ``(pp, tp)``'s layout digest (names, shapes, placements, offsets) by
+        ``"pp{p}.tp{t}"``, as ``baft.protect`` gathered them (this rank's alone when it
+        did not): recorded with every shard and persisted checkpoint, checked by restores."""
+        c = self.runner.mesh.coords
+        return dict(self.runner.layout_digests) or {f"pp{c.pp}.tp{c.tp}": self.ts.layout_digest}
+
     def capture(self) -> None:
         self.runner.capture_at_start()
 

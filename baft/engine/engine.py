@@ -151,6 +151,8 @@ class CheckpointEngine:
         self.device = device
         self.state = state
         self.flat = FlatState(state.named_tensors())
+        self._layouts: dict[str, str] = dict(getattr(state, "layout_digests", {}))
+        """Layout digest per ``"pp{p}.tp{t}"`` (see ``RunnerState.layout_digests``)."""
         self.store = parts.store
         self.transport = parts.transport
         self.copier = parts.copier
@@ -700,6 +702,7 @@ class CheckpointEngine:
 
     def _version_meta(self, v: Version) -> dict[str, Any]:
         meta: dict[str, Any] = {"position": v.version, "flat_nbytes": self.flat.nbytes}
+        meta["layouts"] = self._layouts  # the shard's identity, checked before a restore
         if self.payload is not None:
             meta["diff"] = {
                 "k": self.k,
@@ -792,6 +795,7 @@ class CheckpointEngine:
             "rank_meta": {},
             "world_size": self.topology.world_size,
             KEYS_META: self.persist_keys.scheme,
+            "layouts": self._layouts,  # checked before a DCP restore writes a byte
         }
 
     def _quiesce(self) -> None:

@@ -50,6 +50,7 @@ from baft.pipeline.encoding import (
     encode_value,
     local,
 )
+from baft.pipeline.layout import placement_of
 
 log = logging.getLogger("baft")
 
@@ -88,7 +89,14 @@ class TensorInfo:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    """The rank-local shape."""
     nbytes: int
+    global_shape: tuple[int, ...] = ()
+    """The DTensor's global shape (a plain tensor's own shape)."""
+    placements: str = ""
+    """Placements over named mesh dims (``"tp:Shard(dim=0)"``; empty: a plain tensor)."""
+    offset: tuple[int, ...] = ()
+    """Where the local shard starts in the global tensor, per tensor dim."""
 
 
 def _copy_value(v: Any) -> Any:
@@ -311,9 +319,15 @@ class _Restored:
 
 
 def _layout_digest(infos: Iterable[TensorInfo]) -> str:
+    """sha256 over every tensor's identity: name, dtype, local shape and bytes, global
+    shape, placements and local offset (two ranks with equal digests hold the same
+    pieces of the same tensors)."""
     h = hashlib.sha256()
     for i in infos:
-        h.update(f"{i.name}|{i.dtype}|{i.shape}|{i.nbytes}\n".encode())
+        h.update(
+            f"{i.name}|{i.dtype}|{i.shape}|{i.nbytes}|{i.global_shape}|{i.placements}|"
+            f"{i.offset}\n".encode()
+        )
     return h.hexdigest()
 
 
@@ -360,6 +374,8 @@ class TrainingState:
                 )
         init_optimizer_state(optimizer)
         self._entries: list[tuple[str, torch.Tensor]] = []
+        self._placement: dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]] = {}
+        """(global shape, placements, local offset) of the DTensor entries, by name."""
         self._param_names: dict[int, str] = {}
         self._buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         """(owning module, attribute, snapshot copy) per persistent buffer."""
@@ -433,6 +449,7 @@ class TrainingState:
                 if add(f"model.{fqn}", p):
                     self._param_names[id(p)] = fqn
                     self._entries.append((f"model.{fqn}", local(p.data)))
+                    self._placement[f"model.{fqn}"] = placement_of(p.data)
         for m in self.modules:
             for fqn, b in _persistent_buffers(m):
                 if add(f"buffer.{fqn}", b):
@@ -440,6 +457,7 @@ class TrainingState:
                     shadow = local(b).detach().clone(memory_format=torch.contiguous_format)
                     self._buffers.append((m.get_submodule(owner), leaf, shadow))
                     self._entries.append((f"buffer.{fqn}", shadow))
+                    self._placement[f"buffer.{fqn}"] = placement_of(b)
 
     def _collect_optimizer(self) -> None:
         in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -468,6 +486,7 @@ class TrainingState:
                 if pid in deferred and key == deferred[pid]:
                     self._deferred.append((p, key, value))
                 self._entries.append((f"optim.{fqn}.{key}", local(value)))
+                self._placement[f"optim.{fqn}.{key}"] = placement_of(value)
         # In param-group order: the order a first step inserts state (state_dict() order).
         rank = {id(p): i for i, (p, _) in enumerate(order)}
         self._deferred.sort(key=lambda d: rank[id(d[0])])
@@ -487,12 +506,21 @@ class TrainingState:
         return list(self._entries)
 
     def layout(self) -> list[TensorInfo]:
-        return [
-            TensorInfo(
-                n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()
-            )
-            for n, t in self._entries
-        ]
+        """Every checkpointed tensor's identity (see :class:`TensorInfo`), canonical order."""
+        out = []
+        for n, t in self._entries:
+            shape = tuple(t.shape)
+            glob, placements, offset = self._placement.get(n, (shape, "", (0,) * t.dim()))
+            dtype = str(t.dtype).removeprefix("torch.")
+            nbytes = t.numel() * t.element_size()
+            out.append(TensorInfo(n, dtype, shape, nbytes, glob, placements, offset))
+        return out
+
+    @property
+    def layout_digest(self) -> str:
+        """sha256 of :meth:`layout`: what a restored shard of this rank must have been
+        saved with (names, dtypes, global and local shapes, placements, offsets)."""
+        return self._digest
 
     def check_layout(self, saved: Iterable[Any]) -> None:
         """Raise ValueError naming the missing, extra and resized tensors unless ``saved``

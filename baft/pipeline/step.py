@@ -149,6 +149,10 @@ class StepRunner:
         )
         """Wraps baft's work of an iteration (the watchdog's named sections)."""
         self.on_step_end: list[Callable[[StepResult], None]] = []
+        self.layout_digests: dict[str, str] = {}
+        """Every ``(pp, tp)``'s :attr:`TrainingState.layout_digest` by ``"pp{p}.tp{t}"``
+        (``baft.protect`` gathers them; empty when nobody did): what each shard of a
+        checkpoint records, and a restore checks before it writes."""
         self.last_step: StepResult | None = None
         self._tl: IterationTimeline | None = None
         self._losses: list[torch.Tensor] = []

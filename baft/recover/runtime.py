@@ -58,6 +58,7 @@ from baft.recover.coordinator import (
     reader_of,
 )
 from baft.recover.differential import RestoreError
+from baft.recover.identity import check_identity, layout_key, shard_records
 from baft.recover.report import RecoveryReport, completed_iterations, report_hang
 from baft.recover.startover import diff_meta, never_silently_fresh
 from baft.store import reclaim
@@ -107,6 +108,7 @@ def recover_and_start(
     report = RecoveryReport(run_dir, attempt)
     if plan.source in ("memory", "disk"):
         _check_saved_layout(engine)  # a changed model is refused before any byte is written
+        _check_identity(engine, plan, located, window, persist_dir)
     if injector is not None:
         injector.fire("recovery", plan.version or 0)
     t1 = time.time()
@@ -179,6 +181,31 @@ def _check_saved_layout(engine: CheckpointEngine) -> None:
     if engine.rank < len(ranks):
         tensors = ranks[engine.rank]["layout"]["tensors"]
         engine.state.check_layout([(str(n), int(b)) for n, b in tensors])
+
+
+def _check_identity(
+    engine: CheckpointEngine,
+    plan: RecoveryPlan,
+    located: Located,
+    window: Window | None,
+    persist_dir: str | None,
+) -> None:
+    """Raise ShardIdentityError unless the shards (or the DCP checkpoint) ``plan``
+    restores were saved from this rank's tensors (layout digest of its ``(pp, tp)``:
+    names, shapes, placements, offsets); before any byte is written."""
+    c = engine.topology.coords(engine.rank)
+    key = layout_key(c.pp, c.tp)
+    mine = getattr(engine.state, "layout_digests", {}).get(key)
+    if not mine or plan.version is None:
+        return
+    if plan.source == "disk":
+        assert persist_dir is not None
+        where = f"DCP checkpoint v{plan.version} in {persist_dir}"
+        records = [(where, read_metadata(persist_dir, plan.version).get("layouts"))]
+    else:
+        versions = [p.version for p in window.plans] if window is not None else [plan.version]
+        records = shard_records(located.stores, [v for v in versions if v is not None])
+    check_identity(records, key, mine)
 
 
 @dataclasses.dataclass(frozen=True)
