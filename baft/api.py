@@ -37,6 +37,7 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -123,6 +124,7 @@ class Protected:
         """Process group up and model built (the rendezvous phase ends here)."""
         self._report: Any = None
         self._restored = False
+        self._started = False
         self.own_mesh: DeviceMesh | None = None
         """The DeviceMesh protect() made (no ``device_mesh`` given): close() ends its groups."""
         runner.section = self.watchdog.section
@@ -176,6 +178,7 @@ class Protected:
                 resume, self._report = recover_and_start(
                     self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
                 )
+            self._started = True  # a failed restore never ends the job (close keeps stores)
         self.runner.iteration = resume
         # The restored state holds the first process's shape-inference side effects.
         self.runner.protected.undo_inference = resume > 0
@@ -236,10 +239,15 @@ class Protected:
 
     def close(self) -> None:
         """Finish the last commit and any background persist; stop the watchdog; give the
-        schedule and optimizer back (no more hooks)."""
+        schedule and optimizer back (no more hooks). Collective. Called between
+        iterations on every rank (after the loop, no exception in flight), it ends the
+        job: the snapshot stores are freed once the newest version is persisted to DCP,
+        or unless ``CheckpointConfig.keep_stores_on_close``; otherwise they stay for a
+        restart (the log says which)."""
         if self.engine is not None:
+            finished = self._started and not self.runner.in_iteration and sys.exc_info()[0] is None
             with self.watchdog.section("close"):
-                self.engine.close()
+                self.engine.close(finished=finished)
         self.runner.close()
         self.watchdog.stop()
         if self.own_mesh is not None:  # made by protect(): its groups are ours to end

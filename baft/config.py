@@ -157,6 +157,12 @@ class CheckpointConfig:
     """Whether a run that shows progress (its run directory's progress record, or
     snapshots of the job in a store) may start over from iteration 0 when nothing can be
     restored from memory or DCP. False: that is an error, never a silent restart."""
+    keep_stores_on_close: bool = False
+    """At a clean end (``ft.close()`` between iterations on every rank) the snapshot
+    stores are freed when the newest committed version is persisted to DCP, or when this
+    is False. True keeps them when they hold the only copy of that version (to continue
+    the job from memory with a larger ``num_iterations``). Stores of a job that did not
+    end (a crash, SIGTERM, a kill) always stay for its restart."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see baft.faults), e.g. ["kill:rank=1,iter=7"]."""
     host_work: str = "auto"
@@ -202,6 +208,10 @@ class CheckpointConfig:
         if not isinstance(self.allow_fresh_start, bool):
             raise ValueError(
                 f"allow_fresh_start must be true or false, got {self.allow_fresh_start!r}"
+            )
+        if not isinstance(self.keep_stores_on_close, bool):
+            raise ValueError(
+                f"keep_stores_on_close must be true or false, got {self.keep_stores_on_close!r}"
             )
         if topology is not None:
             from baft.store.coding import Redundancy, coding_groups

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from baft.config import CheckpointConfig
+from baft.engine.closing import end_of_job
 from baft.engine.device import ChunkCopy, DeviceCopy, HostPins
 from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.flat import FlatState, Piece
@@ -825,8 +826,10 @@ class CheckpointEngine:
             },
         }
 
-    def close(self) -> None:
-        """Finish pending commit and persist; release the store mappings."""
+    def close(self, finished: bool | None = None) -> None:
+        """Finish pending commit and persist; release the store mappings. ``finished``
+        (collective when given): whether this rank ended between iterations; the stores
+        are then freed or kept at the job's end (see :mod:`baft.engine.closing`)."""
         if self._issuer is not None:
             self._issuer.shutdown(wait=True)
         self.worker.shutdown()
@@ -842,3 +845,10 @@ class CheckpointEngine:
         if self.termination is not None:
             self.termination.uninstall()
         self.transport.close()
+        if finished is not None:
+            end_of_job(
+                transport=self.transport, finished=finished, committed=self.committed,
+                store_root=self.ck.store_root, job_id=self.ck.job_id,
+                persist_dir=self.ck.persist_dir, keep=self.ck.keep_stores_on_close,
+                run_dir=self.run_dir, rank=self.rank,
+            )  # fmt: skip

@@ -173,6 +173,12 @@ class StepRunner:
             schedule._baft_runner = self
             self._wrapped = True
 
+    @property
+    def in_iteration(self) -> bool:
+        """An iteration has begun (schedule step, averaging) and its optimizer step has not
+        ended yet."""
+        return self._tl is not None
+
     def close(self) -> None:
         """Remove the hooks and the schedule wrapper (the objects are the user's again)."""
         for h in self._handles:

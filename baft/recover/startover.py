@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from baft.engine.closing import read_closed
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.differential import RestoreError
 from baft.recover.report import progress_seen
@@ -108,6 +109,14 @@ def never_silently_fresh(
                 k,
             )
         return
+    closed = None if shards else read_closed(run_dir)
+    if closed and closed.get("freed") and done <= int(closed.get("committed") or 0) + 1:
+        seen = [
+            f"the job ended cleanly at iteration {done - 1} and close() freed its stores "
+            f"(v{closed.get('committed')} was not persisted to DCP; "
+            "CheckpointConfig.keep_stores_on_close was False)"
+        ]
+        reason = "no DCP checkpoint of the newest version"
     if allow_fresh_start:
         if rank == 0:
             log.warning(
@@ -116,8 +125,13 @@ def never_silently_fresh(
                 reason,
             )
         return
+    keep = (
+        ", keep_stores_on_close=True to continue a finished job from memory,"
+        if closed and closed.get("freed")
+        else ""
+    )
     raise RestoreError(
         f"refusing to start over silently: {' and '.join(seen)}, but nothing can be "
-        f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on, or set "
-        "CheckpointConfig.allow_fresh_start=True to start from iteration 0."
+        f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on{keep} or "
+        "set CheckpointConfig.allow_fresh_start=True to start from iteration 0."
     )

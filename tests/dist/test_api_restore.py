@@ -105,9 +105,11 @@ def _protect(
     state: dict[str, Any] | None = None,
     full_every: int = 1,
     persist_every: int = 0,
+    keep_stores: bool = True,
 ) -> Any:
     import baft
 
+    # the jobs here continue a finished loop from memory: keep the stores at close()
     ck = baft.CheckpointConfig(
         policy=baft.CheckpointPolicy(
             redundancy="replicate:1", persist_every=persist_every, full_every=full_every
@@ -116,6 +118,7 @@ def _protect(
         job_id="restore-test",
         profile_iters=1,
         cost={"copy_Bps": 1e9},
+        keep_stores_on_close=keep_stores,
     )
     return baft.protect(
         schedule=s["schedule"],

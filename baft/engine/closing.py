@@ -1,0 +1,134 @@
+"""The end of a job: free its snapshot stores, or keep them, and say which.
+
+A job that ended cleanly (``ft.close()`` between iterations on every rank, agreed in one
+tiny MIN all-reduce) no longer needs host memory for a restart: its stores are freed
+when the newest committed version is persisted to DCP, or unless
+``CheckpointConfig.keep_stores_on_close`` asks to keep the only copy of it. A job that
+did not end (a crash, SIGTERM, a kill, an exception in flight at ``close()``) keeps them
+for its restart. Rank 0 records the outcome in the run directory (:data:`CLOSED_FILE`),
+so that a relaunch that finds no stores can say why (see ``baft.recover.startover``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from baft.engine.persister import latest_version
+from baft.engine.transport import Transport
+from baft.store.paths import job_path
+
+log = logging.getLogger("baft")
+
+CLOSED_FILE = "progress/closed.json"
+"""Run-directory record of a clean end: version, whether the stores were freed, and the
+newest DCP version then."""
+
+
+def decide(
+    finished: bool, committed: int | None, persisted: int | None, keep: bool
+) -> tuple[bool, str]:
+    """``(free, reason)``: whether a job's stores go at ``close()``. Pure.
+
+    ``finished``: every rank closed between iterations; ``committed``: the newest
+    committed version; ``persisted``: the newest complete DCP version (None: none)."""
+    if not finished:
+        return False, "the job did not end cleanly on every rank (a restart resumes from them)"
+    if committed is None:
+        return True, "no version was committed"
+    if persisted is not None and persisted >= committed:
+        return True, f"v{committed} is persisted"
+    if keep:
+        return False, (
+            f"they hold v{committed}, the newest version, which is not persisted to DCP "
+            "(keep_stores_on_close=True)"
+        )
+    return True, (
+        f"v{committed}, the newest version, is not persisted to DCP; set "
+        "CheckpointConfig.keep_stores_on_close=True to keep it in memory"
+    )
+
+
+def agree_finished(transport: Transport, finished: bool, committed: int | None) -> bool:
+    """Whether every rank closed between iterations with the same committed version.
+    Collective over the checkpoint transport; a peer that does not answer (gone) is a
+    no."""
+    v = -1 if committed is None else committed
+    try:
+        low, neg_high, ok = transport.all_min_async([v, -v, int(finished)]).wait()
+    except (RuntimeError, TimeoutError) as e:
+        log.warning("close: no agreement on a clean end (%s): keeping the stores", e)
+        return False
+    return bool(ok) and low == -neg_high
+
+
+def used_bytes(path: Path) -> int:
+    """Host memory the files under ``path`` occupy (their allocated blocks)."""
+    total = 0
+    for f in Path(path).rglob("*"):
+        try:
+            if f.is_file():
+                total += f.stat().st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+def end_of_job(
+    *,
+    transport: Transport,
+    finished: bool,
+    committed: int | None,
+    store_root: str,
+    job_id: str,
+    persist_dir: str,
+    keep: bool,
+    run_dir: Path,
+    rank: int,
+) -> bool:
+    """Agree on a clean end, then free this host's stores of the job or keep them;
+    rank 0 logs which (with the bytes of its host) and records it in ``run_dir``.
+    Collective; call after the last commit, with every store mapping closed. Returns
+    whether the stores were freed."""
+    where = job_path(Path(store_root), job_id)
+    size = used_bytes(where) if rank == 0 else 0
+    everywhere = agree_finished(transport, finished, committed)
+    persisted = latest_version(persist_dir) if persist_dir else None
+    free, why = decide(everywhere, committed, persisted, keep)
+    # every rank is past its last read of any store (the agreement is the barrier)
+    if free:
+        shutil.rmtree(where, ignore_errors=True)
+    if rank != 0:
+        return free
+    mib = size / (1 << 20)
+    if free:
+        to = f" to {persist_dir}" if persisted is not None and why.endswith("persisted") else ""
+        log.info("freed %.1f MiB of stores in %s: %s%s", mib, where, why, to)
+    else:
+        log.info("kept stores: %.1f MiB in %s: %s", mib, where, why)
+    if everywhere:
+        record: dict[str, Any] = {
+            "committed": committed,
+            "freed": free,
+            "persisted": persisted,
+            "persist_dir": persist_dir,
+        }
+        path = Path(run_dir) / CLOSED_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    return free
+
+
+def read_closed(run_dir: Path) -> dict[str, Any] | None:
+    """The record of the run's clean end, or None (none, or unreadable)."""
+    try:
+        out = json.loads((Path(run_dir) / CLOSED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
