@@ -844,7 +844,6 @@ class CheckpointEngine:
         self.store.close()
         if self.termination is not None:
             self.termination.uninstall()
-        self.transport.close()
         if finished is not None:
             end_of_job(
                 transport=self.transport, finished=finished, committed=self.committed,
@@ -852,3 +851,4 @@ class CheckpointEngine:
                 persist_dir=self.ck.persist_dir, keep=self.ck.keep_stores_on_close,
                 run_dir=self.run_dir, rank=self.rank,
             )  # fmt: skip
+        self.transport.close()
