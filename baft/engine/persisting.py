@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from baft.engine.device import DeviceCopy
-from baft.engine.flat import FlatState
+from baft.engine.flat import FlatState, typed_view
 from baft.engine.persister import Persister, persist_name
 
 log = logging.getLogger("baft")
@@ -48,7 +48,7 @@ def slot_views(
     for name, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True):
         n = t.numel() * t.element_size()
         if start <= off and off + n <= stop:
-            out[key(name)] = data[off - start : off - start + n].view(t.dtype).view(t.shape)
+            out[key(name)] = typed_view(data[off - start : off - start + n], t.dtype, t.shape)
     return out
 
 
@@ -61,7 +61,7 @@ class LiveCopy:
         """DCP key of a flat-state name."""
         self._buf: torch.Tensor | None = None
         self.version: int | None = None
-        self.views: dict[str, torch.Tensor] = {}
+        self._layout: list[tuple[str, int, int, torch.dtype, torch.Size]] = []
 
     def start(
         self, version: int, named: list[tuple[str, torch.Tensor]], copier: DeviceCopy
@@ -75,10 +75,12 @@ class LiveCopy:
             )
         buf = self._buf
         copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
-        self.views = {
-            self.key(n): buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        # typed only in take(): a misaligned tensor is read through a copy, which must
+        # wait until the bytes have arrived
+        self._layout = [
+            (self.key(n), off, t.numel() * t.element_size(), t.dtype, t.shape)
             for n, t, off in zip(flat.names, flat.tensors, flat.offsets, strict=True)
-        }
+        ]
         self.version = version
 
     def take(self, version: int) -> dict[str, torch.Tensor] | None:
@@ -86,7 +88,12 @@ class LiveCopy:
         if self.version != version:
             return None
         self.version = None
-        return self.views
+        assert self._buf is not None
+        buf = self._buf
+        return {
+            key: typed_view(buf[off : off + n], dtype, shape)
+            for key, off, n, dtype, shape in self._layout
+        }
 
 
 def flush(

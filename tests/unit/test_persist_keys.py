@@ -137,3 +137,31 @@ def test_a_restore_refuses_a_checkpoint_of_another_scheme() -> None:
         "this job's FQNs are unique across stages, so its model differs from the saved "
         "one; restore it with the model it was written with"
     )
+
+
+def test_write_paths_read_tensors_at_unaligned_offsets() -> None:
+    """Flat states have no padding: a float tensor after 3 bytes sits at an offset torch
+    cannot view as float32. Both write paths read it through a copy (a view raised
+    'storage_offset() must be divisible by 4')."""
+    named = [
+        ("extra.created", torch.tensor([1, 0, 1], dtype=torch.uint8)),
+        ("model.w", torch.arange(6, dtype=torch.float32).view(2, 3)),
+        ("model.h", torch.arange(5, dtype=torch.float16)),
+        ("model.d", torch.arange(3, dtype=torch.float64)),
+    ]
+    flat = FlatState(named)
+    data = torch.empty(flat.nbytes, dtype=torch.uint8)
+    for dst, src in flat.pairs(flat.pieces(0, flat.nbytes), data):
+        dst.copy_(src)
+    views = slot_views(flat, data, 0, flat.nbytes, PersistKeys())
+    live = LiveCopy(torch.device("cpu"), PersistKeys())
+    copier = HostCopy()
+    live.start(5, named, copier)
+    copier.synchronize()
+    copied = live.take(5)
+    assert copied is not None
+    for got in (views, copied):
+        assert sorted(got) == ["d", "extra.created", "h", "w"]
+        for name, t in named:
+            key = name.removeprefix("model.")
+            assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
