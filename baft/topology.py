@@ -4,13 +4,16 @@ The DeviceMesh is laid out with axes ``("pp", "dp", "tp")`` in row-major order, 
 ``rank = (pp * num_dp + dp) * num_tp + tp``. A *node* is a failure domain: a block of
 ``ranks_per_node`` consecutive ranks that share host memory (one snapshot store) and
 fail together. With the default layout TP peers share a node first, then DP replicas,
-as on a real cluster where TP stays inside a server.
+as on a real cluster where TP stays inside a server. :func:`memory_domains` says which
+ranks' stores share memory (detected hosts and store roots); the declared nodes stay the
+failure domains whatever it finds.
 
 No processes, threads or I/O here: everything is a pure function of the sizes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -101,3 +104,82 @@ class Topology:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDomains:
+    """Which ranks' stores share memory, beside the declared failure domains."""
+
+    locations: tuple[str, ...]
+    """Per rank: the memory holding its store (a detected host, with the store root when
+    that host's ranks use several). Ranks with equal locations read each other's stores
+    in place (same-host exchange, recovery inventory); all other bytes use the network."""
+    reason: str
+    """What was detected and what is used (logged once at start)."""
+    warning: str = ""
+    """Set when a job on several hosts has a host holding ranks of several declared
+    nodes: losing that host loses more than one failure domain."""
+
+
+def memory_domains(topology: Topology, detected: Sequence[tuple[str, str]]) -> MemoryDomains:
+    """Where the stores of ``topology``'s ranks live, from each rank's detected
+    ``(host id, store root)``.
+
+    The declared nodes (``ranks_per_node``) stay the failure domains that place the
+    redundancy; detected shared memory is only an optimisation and never weakens them.
+    Two ranks share a location only when they run on one detected host *and* keep their
+    stores under one root: ranks of one host with different store roots (agents on one
+    machine playing separate nodes) are separate memories, so wiping one root loses only
+    the stores in it, and nobody reads another root's stores as if they were its own.
+    """
+    assert len(detected) == topology.world_size, (len(detected), topology.world_size)
+    roots: dict[str, list[str]] = {}
+    for host, root in detected:
+        if root not in roots.setdefault(host, []):
+            roots[host].append(root)
+    locations = tuple(
+        host if len(roots[host]) == 1 else f"{host}@{root}" for host, root in detected
+    )
+    ranks_at: dict[str, list[int]] = {}
+    for r, loc in enumerate(locations):
+        ranks_at.setdefault(loc, []).append(r)
+    used = "; ".join(
+        f"{loc}: ranks {_listed(rs)} ({_nodes(topology, rs)})" for loc, rs in ranks_at.items()
+    )
+    split = [h for h, rs in roots.items() if len(rs) > 1]
+    reason = (
+        f"failure domains: {topology.num_nodes} declared node(s) of {topology.ranks_per_node} "
+        f"rank(s) (ranks_per_node) place the redundancy; detected {len(roots)} host(s)"
+        + (f", {', '.join(split)} with several store roots, each its own memory" if split else "")
+        + f"; stores shared in place within: {used}"
+    )
+    warning = ""
+    if len(roots) > 1:
+        for host in roots:
+            rs = [r for r, (h, _) in enumerate(detected) if h == host]
+            num_nodes = len({topology.node_of(r) for r in rs})
+            if num_nodes > 1:
+                warning = (
+                    f"host {host} runs ranks {_listed(rs)} of declared {_nodes(topology, rs)}: "
+                    f"losing that host loses {num_nodes} failure domains at once, more than "
+                    "the redundancy may survive; set ranks_per_node to the number of ranks "
+                    "per host (or a multiple of it)"
+                )
+                break
+    return MemoryDomains(locations=locations, reason=reason, warning=warning)
+
+
+def _nodes(topology: Topology, ranks: Sequence[int]) -> str:
+    nodes = sorted({topology.node_of(r) for r in ranks})
+    return f"node{'s' if len(nodes) > 1 else ''} {_listed(nodes)}"
+
+
+def _listed(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    for v in values:
+        if out and out[-1].split("-")[-1] == str(v - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ",".join(out)

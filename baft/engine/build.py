@@ -155,7 +155,9 @@ def build_engine(
     # Host-side protect work waits for bubbles only when the host also computes.
     gated = mesh.device.type == "cpu" and not thread_copy and engine_cls.bubble_aware
     worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
-    peers = find_same_host_peers(transport, store.path, enabled=ck.exchange == "auto")
+    location, peers = find_same_host_peers(
+        transport, store.path, store.root, mesh.topology, enabled=ck.exchange == "auto"
+    )
     policy = ck.policy
     state = RunnerState(runner)
     persister = None
@@ -175,6 +177,7 @@ def build_engine(
         spill_copier=spill_copier,
         worker=worker,
         peers=peers,
+        location=location,
         persister=persister,
         injector=make_injector(ck, run_dir, mesh),
         termination=Termination().install() if persister and ck.flush_on_sigterm else None,

@@ -119,6 +119,9 @@ class EngineParts:
     peers: dict[int, PeerStore]
     """Other ranks whose stores share this host's memory."""
     persister: Persister | None
+    location: str | None = None
+    """The memory holding this rank's store (:func:`baft.topology.memory_domains`): ranks
+    with equal locations read each other's stores. None: the detected host id."""
     injector: Any = None
     """A :class:`baft.faults.injector.FaultInjector`, or None."""
     termination: Termination | None = None
@@ -162,6 +165,7 @@ class CheckpointEngine:
         """Store slots page-locked for CUDA copies, unregistered before they go."""
         self.worker = parts.worker
         self.peers = parts.peers
+        self.location = parts.location
         self.injector = parts.injector
         self.termination = parts.termination
         self.persist_keys = parts.keys

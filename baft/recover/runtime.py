@@ -87,7 +87,7 @@ def recover_and_start(
     persisted = (
         tuple(list_versions(persist_dir)) if persist_dir and Path(persist_dir).exists() else ()
     )
-    stores = HostStores(engine.store, host_id())
+    stores = HostStores(engine.store, engine.location or host_id())
     plan, reason, located = _agree(
         stores, engine.transport, engine.topology, engine.redundancy, persisted
     )

@@ -57,9 +57,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agent(cfg_path: Path, host: str, addr: str, port: int, log: Path) -> subprocess.Popen:
+def _agent(cfg_path: Path, host: str | None, addr: str, port: int, log: Path) -> subprocess.Popen:
+    """One torchrun agent; ``host`` None: no ``BAFT_HOST_ID`` (the detected host)."""
     env = launch_env()
-    env["BAFT_HOST_ID"] = host
+    env.pop("BAFT_HOST_ID", None)
+    if host is not None:
+        env["BAFT_HOST_ID"] = host
     cmd = [
         sys.executable,
         "-m",
@@ -163,17 +166,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("full_every", [1, 3], ids=["full", "differential"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_replacement_host_restores_from_the_survivors_memory(
-    tmp_path: Path, reference: dict[str, Any], case: str, full_every: int
-) -> None:
-    """Full snapshots and differential checkpoints (full_every=3: every payload of the
-    window is found wherever its shard sits)."""
+def _kill_and_replace(
+    tmp_path: Path, ref: dict[str, Any], full_every: int, new: str, addr: str, host_ids: bool
+) -> dict[str, Any]:
+    """Agents ``a`` and ``b`` (each its own store root; ``BAFT_HOST_ID`` = its name when
+    ``host_ids``) train; ``b`` dies with its workers after iteration 7 and its root is
+    wiped; agent ``new`` (root ``new``, address ``addr``) joins. Asserts the job restored
+    from memory and ended bit-identical to ``ref``; returns the last recovery record."""
     import torch.distributed as dist
 
-    addr, want_hosts, want_origins = CASES[case]
-    ref = reference
     roots = Path("/dev/shm") / f"baft-2h-{tmp_path.name}"
     out = tmp_path / "run"
     try:
@@ -192,8 +193,12 @@ def test_replacement_host_restores_from_the_survivors_memory(
             "127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=300)
         )
         logs = tmp_path
-        a = _agent(paths["a"], "a", "127.0.0.2", port, logs / "a.log")
-        b = _agent(paths["b"], "b", "127.0.0.3", port, logs / "b.log")
+
+        def host(name: str) -> str | None:
+            return name if host_ids else None
+
+        a = _agent(paths["a"], host("a"), "127.0.0.2", port, logs / "a.log")
+        b = _agent(paths["b"], host("b"), "127.0.0.3", port, logs / "b.log")
         deadline = time.time() + 240
         while _iterations_done(out) < 7 and time.time() < deadline:
             time.sleep(0.05)
@@ -201,19 +206,45 @@ def test_replacement_host_restores_from_the_survivors_memory(
         assert _iterations_done(out) >= 7, "the job did not get going"
         _kill_host(b)  # host b dies with its workers and memory
         shutil.rmtree(roots / "b")
-        c = _agent(paths["c"], "c", addr, port, logs / "c.log")
-        _wait({"a": a, "c": c}, 420, logs)
+        (roots / new).mkdir(parents=True, exist_ok=True)
+        c = _agent(paths[new], host(new), addr, port, logs / f"{new}2.log")
+        _wait({"a": a, f"{new}2": c}, 420, logs)
         del rdzv
         recs = [json.loads(x) for x in (out / "recoveries.jsonl").read_text().splitlines()]
-        last = recs[-1]
+        last: dict[str, Any] = recs[-1]
         assert last["source"] == "memory", last["reason"]
         assert last["lost_iterations"] <= 1, last
-        assert last["hosts"] == want_hosts, last
-        got = {r: (o["kind"], o["stores"]) for r, o in last["origins"].items()}
-        assert got == want_origins, last
         summary = json.loads((out / "summary.json").read_text())
         metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [m["loss"] for m in metrics] == [m["loss"] for m in ref["metrics"]]
         assert summary["final_state_digest"] == ref["summary"]["final_state_digest"]
+        return last
     finally:
         shutil.rmtree(roots, ignore_errors=True)
+
+
+@pytest.mark.parametrize("full_every", [1, 3], ids=["full", "differential"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_replacement_host_restores_from_the_survivors_memory(
+    tmp_path: Path, reference: dict[str, Any], case: str, full_every: int
+) -> None:
+    """Full snapshots and differential checkpoints (full_every=3: every payload of the
+    window is found wherever its shard sits)."""
+    addr, want_hosts, want_origins = CASES[case]
+    last = _kill_and_replace(tmp_path, reference, full_every, "c", addr, host_ids=True)
+    assert last["hosts"] == want_hosts, last
+    got = {r: (o["kind"], o["stores"]) for r, o in last["origins"].items()}
+    assert got == want_origins, last
+
+
+def test_declared_nodes_on_one_machine_without_host_ids(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Issue 28, bug 4: the way a user tries failover before buying a second host. Two
+    agents on one machine, each with its own store root, ranks_per_node=2 and no
+    BAFT_HOST_ID: both detect the same host. Agent b is killed, its root wiped and the
+    same command restarted. The declared nodes are the failure domains: each store root
+    is its own memory, so shards 2,3 are rebuilt from the parity in a's root."""
+    last = _kill_and_replace(tmp_path, reference, 1, "b", "127.0.0.3", host_ids=False)
+    kinds = {r: o["kind"] for r, o in last["origins"].items()}
+    assert sorted(kinds.values()) == ["local", "local", "parity", "parity"], last

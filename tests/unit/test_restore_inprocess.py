@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from baft.engine.local_transport import LocalTransport
+from baft.engine.peers import find_same_host_peers
 from baft.recover.coordinator import (
     LocatedInventory,
     RecoveryPlan,
@@ -349,6 +350,55 @@ def test_an_older_numbering_holding_nothing_needed_is_reclaimed(tmp_path: Path) 
     assert all(out["full"] == _state(2) for out in got)
     assert got[2]["reclaimed"] == ["b:node0/rank0"] and got[0]["reclaimed"] == []
     assert _dirs(tmp_path / "b") == ["node1/rank2", "node1/rank3"]
+
+
+# Issue 28, bug 4: the same two "hosts" (a store root each) as two torchrun agents on one
+# machine without BAFT_HOST_ID: every rank detects the same host "m". b's root is wiped and
+# b restarts, keeping its ranks or (sorting first) taking ranks 0,1.
+@pytest.mark.parametrize(
+    "roots", [FIRST, {0: "b", 1: "b", 2: "a", 3: "a"}], ids=["keeps-order", "sorts-first"]
+)
+def test_one_machine_two_store_roots_restores_the_wiped_node_from_the_other_root(
+    tmp_path: Path, roots: dict[int, str]
+) -> None:
+    """The declared nodes are the failure domains: a root is its own memory, so each
+    store is inventoried and read by a rank with that root, and the wiped node is
+    rebuilt from the parity in a's root, bit-exact. (With the detected host as the
+    location, ranks read the other root's stores in their own root: 'file absent'.)"""
+    red = _write_on_hosts(tmp_path, "xor:2")
+    reclaim.remove_job(tmp_path / "b", JOB)
+
+    def rank(r: int, transport: LocalTransport) -> dict[str, Any]:
+        root = tmp_path / roots[r]
+        own = SnapshotStore(root, JOB, TOPO2.node_of(r), r, 1 << 22)
+        location, _ = find_same_host_peers(transport, own.path, root, TOPO2, host="m")
+        stores = HostStores(own, location)
+        plan, reason, _ = _agree(stores, transport, TOPO2, red, ())
+        shard = _rebuild_shard(stores, transport, r, plan)
+        full = np.zeros(sum(SIZES.values()), np.uint8)
+
+        def write(pos: int, piece: torch.Tensor) -> None:
+            full[pos : pos + piece.numel()] = piece.numpy()
+
+        _exchange_replicas(transport, TOPO2, r, plan, shard, write)
+        stores.drop_read_caches()
+        return {"plan": plan, "reason": reason, "full": full.tobytes(), "at": location}
+
+    got = _run_ranks(rank)
+    errors = [g for g in got if isinstance(g, BaseException)]
+    assert not errors, errors
+    assert [g["at"] for g in got] == [f"m@{tmp_path / roots[r]}" for r in range(WORLD)]
+    plan = got[0]["plan"]
+    assert (plan.version, plan.source) == (2, "memory"), got[0]["reason"]
+    here = "local" if roots is FIRST else "remote"
+    assert {r: s.kind for r, s in plan.shards.items()} == {
+        0: here,
+        1: here,
+        2: "parity",
+        3: "parity",
+    }
+    assert plan.origins()[0]["stores"] == [f"m@{tmp_path / 'a'}:node0/rank0"]
+    assert all(out["full"] == _state(2) for out in got)
 
 
 # ------------------------------------------------------------------ never start over silently
