@@ -487,6 +487,12 @@ def run_case(case: Case, tmp: Path, ref: dict[str, Any]) -> tuple[list[str], str
         rcs = job.wait(360)
         problems = check(case, job, rcs, ref)
         if problems:
+            recs = read_jsonl(job.out / "recoveries.jsonl")
+            problems += [
+                f"recovery: {r.get('source')} v{r.get('restored_version')} {r.get('sources')}: "
+                f"{r.get('reason')}"
+                for r in recs
+            ]
             problems.append(job.tail())
         return problems, f"fault: {did}\n{repro(case, job)}"
     finally:
