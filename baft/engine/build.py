@@ -25,6 +25,7 @@ from baft.engine.persister import Persister, PersistKeys, choose_persist_keys
 from baft.engine.termination import Termination
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
+from baft.pipeline.layout import GlobalLayout
 from baft.pipeline.mesh import Mesh
 from baft.pipeline.step import StepRunner
 from baft.store.shm import SnapshotStore
@@ -72,6 +73,10 @@ class RunnerState:
         did not): recorded with every shard and persisted checkpoint, checked by restores."""
         c = self.runner.mesh.coords
         return dict(self.runner.layout_digests) or {f"pp{c.pp}.tp{c.tp}": self.ts.layout_digest}
+
+    def global_layouts(self) -> dict[str, GlobalLayout]:
+        """The DTensor entries' global layouts (TP shards), by engine name."""
+        return {self._rename[n]: g for n, g in self.ts.global_layouts().items()}
 
     def capture(self) -> None:
         self.runner.capture_at_start()

@@ -60,6 +60,7 @@ from baft.engine.transport import Transport
 from baft.engine.versions import COMPONENTS, CommitVote, PersistSchedule, Version
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
+from baft.pipeline.layout import GlobalLayout
 from baft.plan.cost import CostModel
 from baft.plan.inputs import bmap_from_json, layout_from_json
 from baft.plan.payload import PayloadLayout
@@ -169,6 +170,11 @@ class CheckpointEngine:
         self.injector = parts.injector
         self.termination = parts.termination
         self.persist_keys = parts.keys
+        layouts: dict[str, GlobalLayout] = getattr(state, "global_layouts", dict)()
+        self.persist_layouts = {self.persist_keys(n): g for n, g in layouts.items()}
+        """DCP key -> the DTensor (TP shard) its rank-local tensor belongs to."""
+        if parts.persister is not None:
+            parts.persister.layouts = self.persist_layouts
         self.redundancy = Redundancy.parse(self.policy.redundancy)
         coding_groups(self.topology, self.redundancy)  # validates the layout early
         self.votes = CommitVote(self.transport, self.store)

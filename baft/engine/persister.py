@@ -30,7 +30,7 @@ import queue
 import re
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +46,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
 from baft.engine.transport import destroy_group
+from baft.pipeline.layout import GlobalLayout, as_dtensors
 
 COMPLETE_MARKER = ".complete"
 """File inside a version directory that marks the checkpoint complete."""
@@ -216,8 +217,12 @@ def load_version(
     version: int,
     state: dict[str, torch.Tensor],
     process_group: ProcessGroup | None = None,
+    layouts: Mapping[str, GlobalLayout] | None = None,
 ) -> dict[str, Any]:
     """Load complete checkpoint ``version`` in place into ``state``; return its metadata.
+
+    ``layouts``: keys whose rank-local tensors are DTensor shards, loaded as those
+    DTensors (see :attr:`Persister.layouts`).
 
     Plain ``dcp.load``: without an initialized default group it loads in this process
     alone; otherwise it is collective over ``process_group`` (default: the world).
@@ -230,7 +235,7 @@ def load_version(
         )
     no_dist = not (dist.is_available() and dist.is_initialized())
     dcp.load(
-        state,
+        as_dtensors(state, layouts or {}),
         storage_reader=FileSystemReader(version_dir(directory, version)),
         process_group=process_group,
         no_dist=no_dist,
@@ -402,6 +407,9 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._last_version: int | None = None
         self._closed = False
+        self.layouts: dict[str, GlobalLayout] = {}
+        """DCP key -> the DTensor its (rank-local) tensor is a shard of: saved as that
+        DTensor (TP shards); set by the engine."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -426,7 +434,12 @@ class Persister:
         self._last_version = version
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
-        job = _Job(version=version, state=dict(state), metadata=metadata or {}, future=future)
+        job = _Job(
+            version=version,
+            state=as_dtensors(state, self.layouts),
+            metadata=metadata or {},
+            future=future,
+        )
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"baft-persister-{self.rank}", daemon=True

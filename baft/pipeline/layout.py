@@ -20,8 +20,8 @@ Nothing here does I/O or talks to a process group.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = [
     "FSDP_HELP",
+    "GlobalLayout",
+    "as_dtensors",
     "check_no_sharded_replicas",
     "check_replica_layouts",
     "first_difference",
@@ -128,6 +130,38 @@ def check_no_sharded_replicas(
                 f"{what} is a DTensor sharded over mesh dim {sharded}, which spans ranks "
                 f"{sorted(dp)} that baft's device_mesh calls 'dp'; {FSDP_HELP}"
             )
+
+
+class GlobalLayout(NamedTuple):
+    """Where a rank-local tensor sits in its DTensor (a TP shard, say)."""
+
+    mesh: Any
+    """The DTensor's DeviceMesh."""
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    """The global shape."""
+    stride: tuple[int, ...]
+    """The global stride."""
+
+
+def as_dtensors(
+    state: Mapping[str, torch.Tensor], layouts: Mapping[str, GlobalLayout]
+) -> dict[str, torch.Tensor]:
+    """``state`` with every plain tensor named in ``layouts`` wrapped, without a copy or a
+    collective, as the DTensor whose local shard it is. baft snapshots rank-local bytes;
+    DCP must see TP shards as DTensors, else the shards of one tensor are same-named
+    plain tensors and DCP keeps one of them (every other TP rank restores its bytes)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        g = layouts.get(key)
+        out[key] = (
+            t
+            if g is None or isinstance(t, DTensor)
+            else DTensor.from_local(
+                t, g.mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride
+            )
+        )
+    return out
 
 
 def placement_of(t: torch.Tensor) -> tuple[tuple[int, ...], str, tuple[int, ...]]:

@@ -41,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from baft.pipeline.encoding import (
     _tensor_bytes,
@@ -50,7 +51,7 @@ from baft.pipeline.encoding import (
     encode_value,
     local,
 )
-from baft.pipeline.layout import placement_of
+from baft.pipeline.layout import GlobalLayout, placement_of
 
 log = logging.getLogger("baft")
 
@@ -376,6 +377,8 @@ class TrainingState:
         self._entries: list[tuple[str, torch.Tensor]] = []
         self._placement: dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]] = {}
         """(global shape, placements, local offset) of the DTensor entries, by name."""
+        self._global: dict[str, GlobalLayout] = {}
+        """Mesh, placements, global shape and stride of the DTensor entries, by name."""
         self._param_names: dict[int, str] = {}
         self._buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         """(owning module, attribute, snapshot copy) per persistent buffer."""
@@ -450,6 +453,7 @@ class TrainingState:
                     self._param_names[id(p)] = fqn
                     self._entries.append((f"model.{fqn}", local(p.data)))
                     self._placement[f"model.{fqn}"] = placement_of(p.data)
+                    self._note_global(f"model.{fqn}", p.data)
         for m in self.modules:
             for fqn, b in _persistent_buffers(m):
                 if add(f"buffer.{fqn}", b):
@@ -458,6 +462,7 @@ class TrainingState:
                     self._buffers.append((m.get_submodule(owner), leaf, shadow))
                     self._entries.append((f"buffer.{fqn}", shadow))
                     self._placement[f"buffer.{fqn}"] = placement_of(b)
+                    self._note_global(f"buffer.{fqn}", b)
 
     def _collect_optimizer(self) -> None:
         in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -487,6 +492,7 @@ class TrainingState:
                     self._deferred.append((p, key, value))
                 self._entries.append((f"optim.{fqn}.{key}", local(value)))
                 self._placement[f"optim.{fqn}.{key}"] = placement_of(value)
+                self._note_global(f"optim.{fqn}.{key}", value)
         # In param-group order: the order a first step inserts state (state_dict() order).
         rank = {id(p): i for i, (p, _) in enumerate(order)}
         self._deferred.sort(key=lambda d: rank[id(d[0])])
@@ -499,6 +505,18 @@ class TrainingState:
                 h.update(f"{self._param_names[id(p)]}|{tuple(local(p).shape)}\n".encode())
             out.append([len(g["params"]), h.hexdigest()[:16]])
         return out
+
+    def _note_global(self, name: str, t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):
+            self._global[name] = GlobalLayout(
+                t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride())
+            )
+
+    def global_layouts(self) -> dict[str, GlobalLayout]:
+        """How the rank-local tensor of each DTensor entry (TP shards) sits in its global
+        tensor, by name: what a DCP checkpoint needs to save and load it as the DTensor
+        (plain tensors are absent)."""
+        return dict(self._global)
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every checkpointed tensor (rank-local, contiguous), by canonical name, in

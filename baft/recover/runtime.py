@@ -687,5 +687,7 @@ def _load_from_disk(engine: CheckpointEngine, plan: RecoveryPlan, directory: str
     state = {key(n): t for n, t in zip(engine.flat.names, engine.flat.tensors, strict=True)}
     group = getattr(engine.transport, "group", None)
     with torch.no_grad():
-        load_version(directory, plan.version, state, process_group=group)
+        load_version(
+            directory, plan.version, state, process_group=group, layouts=engine.persist_layouts
+        )
     engine.apply_rng()

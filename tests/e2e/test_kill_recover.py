@@ -402,11 +402,19 @@ def test_differential_keeps_its_layout_rather_than_replan_and_restores_the_first
     assert r["replay"]["replayed_steps"] == 3, r  # records of steps 1..3 onto slices of v0..
 
 
-def test_differential_restore_with_tensor_parallel_shards(tmp_path: Path, store: Path) -> None:
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """12 unprotected iterations on dp=1 x pp=2 x tp=2."""
+    return run_job(_config(tmp_path_factory.mktemp("tp-ref"), None, [], num_dp=1, num_tp=2))
+
+
+def test_differential_restore_with_tensor_parallel_shards(
+    tmp_path: Path, store: Path, tp_reference: dict[str, Any]
+) -> None:
     """TP=2 with differential checkpoints: every gradient record holds a TP shard's local
     gradient and is replayed into the DTensor params' local shards (issue 28: the restore
     viewed records with the DTensor's global shape and failed every restart)."""
-    ref = run_job(_config(tmp_path / "ref", None, [], num_dp=1, num_tp=2))
+    ref = tp_reference
     failed = run_job(
         _config(
             tmp_path / "tp", store, ["kill:rank=1,iter=9"], num_dp=1, num_tp=2, full_every=3
@@ -419,3 +427,27 @@ def test_differential_restore_with_tensor_parallel_shards(tmp_path: Path, store:
     (crash,) = failed["summary"]["recoveries"]
     assert crash["source"] == "memory" and crash["restored_version"] == 8, crash
     assert crash["replay"]["replayed_steps"] == 2, crash
+
+
+def test_power_loss_restores_tensor_parallel_shards_from_dcp(
+    tmp_path: Path, store: Path, tp_reference: dict[str, Any]
+) -> None:
+    """TP=2, every process killed and every store wiped at iteration 7: the restore comes
+    from DCP, where each TP shard is saved as its DTensor (global shape, one chunk per TP
+    rank). Before, the shards were same-named plain tensors, DCP kept one of them, and
+    the job "recovered" from disk with every rank's state wrong (rc=0)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    cfg = _config(
+        tmp_path / "tp-power", store, ["power:iter=7"], num_dp=1, num_tp=2, persist_every=2
+    )
+    failed = run_job(cfg)
+    assert_same_training(failed, tp_reference, 12)
+    (power,) = failed["summary"]["recoveries"]
+    assert power["source"] == "disk" and power["restored_version"] == 5, power
+    assert cfg.checkpoint is not None
+    persisted = Path(cfg.checkpoint.persist_dir)
+    latest = (persisted / "latest").read_text().strip()
+    meta = FileSystemReader(str(persisted / f"v{int(latest):08d}")).read_metadata()
+    wq = meta.state_dict_metadata["layers.0.attn.wq.weight"]
+    assert tuple(wq.size) == (64, 64) and len(wq.chunks) == 2  # type: ignore[union-attr]
