@@ -159,10 +159,10 @@ class CheckpointConfig:
     restored from memory or DCP. False: that is an error, never a silent restart."""
     keep_stores_on_close: bool = False
     """At a clean end (``ft.close()`` between iterations on every rank) the snapshot
-    stores are freed when the newest committed version is persisted to DCP, or when this
-    is False. True keeps them when they hold the only copy of that version (to continue
-    the job from memory with a larger ``num_iterations``). Stores of a job that did not
-    end (a crash, SIGTERM, a kill) always stay for its restart."""
+    stores are freed unless this is True (to continue the job from memory with a larger
+    ``num_iterations``, or to inspect them); the log says whether the newest version was
+    persisted to DCP. Stores of a job that did not end (a crash, SIGTERM, a kill) always
+    stay for its restart."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see baft.faults), e.g. ["kill:rank=1,iter=7"]."""
     host_work: str = "auto"

@@ -2,8 +2,8 @@
 
 A job that ended cleanly (``ft.close()`` between iterations on every rank, agreed in one
 tiny MIN all-reduce) no longer needs host memory for a restart: its stores are freed
-when the newest committed version is persisted to DCP, or unless
-``CheckpointConfig.keep_stores_on_close`` asks to keep the only copy of it. A job that
+unless ``CheckpointConfig.keep_stores_on_close`` asks to keep them (the log says whether
+the newest committed version is persisted to DCP, i.e. whether freeing lost anything). A job that
 did not end (a crash, SIGTERM, a kill, an exception in flight at ``close()``) keeps them
 for its restart. Rank 0 records the outcome in the run directory (:data:`CLOSED_FILE`),
 so that a relaunch that finds no stores can say why (see ``baft.recover.startover``).
@@ -40,13 +40,14 @@ def decide(
         return False, "the job did not end cleanly on every rank (a restart resumes from them)"
     if committed is None:
         return True, "no version was committed"
-    if persisted is not None and persisted >= committed:
-        return True, f"v{committed} is persisted"
+    saved = persisted is not None and persisted >= committed
     if keep:
+        where = "also persisted to DCP" if saved else "not persisted to DCP"
         return False, (
-            f"they hold v{committed}, the newest version, which is not persisted to DCP "
-            "(keep_stores_on_close=True)"
+            f"they hold v{committed}, the newest version, {where} (keep_stores_on_close=True)"
         )
+    if saved:
+        return True, f"v{committed} is persisted"
     return True, (
         f"v{committed}, the newest version, is not persisted to DCP; set "
         "CheckpointConfig.keep_stores_on_close=True to keep it in memory"

@@ -6,8 +6,8 @@ them, as asked), over real gloo ranks; a job that did not end keeps them for its
    can be restored (not a bare 'refusing to start over').
 2. The same with ``keep_stores_on_close=True``: the stores stay and a relaunch resumes
    from memory.
-3. A clean end with the newest version persisted (``persist_every=1``): freed although
-   ``keep_stores_on_close=True``; a relaunch resumes from DCP.
+3. A clean end with the newest version persisted (``persist_every=1``): freed; a relaunch
+   resumes from DCP.
 4. ``close()`` with an exception in flight (not a clean end): the stores stay.
 """
 
@@ -50,7 +50,7 @@ def _relaunch(rank: int, world: int, root: Path, keep: bool, persist_every: int)
 
 def _close_job(rank: int, world: int, base: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, keep, persist_every in (("freed", False, 0), ("kept", True, 0), ("dcp", True, 1)):
+    for name, keep, persist_every in (("freed", False, 0), ("kept", True, 0), ("dcp", False, 1)):
         root = Path(base) / name
         _run(rank, world, root, keep, persist_every)
         out[name] = _files(root)

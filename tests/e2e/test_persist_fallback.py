@@ -32,6 +32,8 @@ def _config(out: Path, store: Path, inject: list[str], persist_every: int):
         store_root=str(store),
         inject=inject,
         timeout_s=30.0,
+        # the test compares the persisted bytes with the stores' after the job ended
+        keep_stores_on_close=True,
     )
     return cfg
 

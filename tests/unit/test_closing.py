@@ -12,16 +12,18 @@ def test_a_job_that_did_not_end_keeps_its_stores() -> None:
     )
 
 
-def test_persisted_newest_version_frees_even_when_asked_to_keep() -> None:
-    assert decide(True, 7, 7, True) == (True, "v7 is persisted")
+def test_asked_to_keep_keeps_even_a_persisted_version() -> None:
+    assert decide(True, 7, 7, True) == (
+        False,
+        "they hold v7, the newest version, also persisted to DCP (keep_stores_on_close=True)",
+    )
     assert decide(True, 7, 8, False) == (True, "v7 is persisted")
 
 
 def test_unpersisted_newest_version_is_kept_only_when_asked() -> None:
     assert decide(True, 7, 6, True) == (
         False,
-        "they hold v7, the newest version, which is not persisted to DCP "
-        "(keep_stores_on_close=True)",
+        "they hold v7, the newest version, not persisted to DCP (keep_stores_on_close=True)",
     )
     assert decide(True, 7, None, False) == (
         True,
