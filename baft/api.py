@@ -84,18 +84,26 @@ def _exchange_layouts(runner: StepRunner, mesh: Mesh) -> dict[str, str]:
     """Every ``(pp, tp)``'s state layout digest, after checking that the DP ranks of this
     rank's ``(pp, tp)`` hold the same tensors (names, shapes, placements, offsets): ranks
     that do not are shards, not replicas, and baft refuses them here, before the first
-    step (ValueError naming the first differing tensor). Collective: the layouts over the
-    dp group, the digests over the world."""
+    step (ValueError naming the first differing tensor), on every rank: a refusal seen by
+    one DP group travels with the digests, so no other rank waits for it in a collective.
+    Collective: the layouts over the dp group, the digests over the world."""
     c = mesh.coords
+    problem = ""
     if mesh.topology.num_dp > 1:
         layouts: list[Any] = [None] * dist.get_world_size(mesh.dp_group)
         dist.all_gather_object(
             layouts, ((c.pp, c.dp, c.tp), runner.state.layout()), group=mesh.dp_group
         )
-        check_replica_layouts(layouts)
+        try:
+            check_replica_layouts(layouts)
+        except ValueError as e:
+            problem = str(e)
     digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, (f"pp{c.pp}.tp{c.tp}", runner.state.layout_digest))
-    return dict(digests)
+    dist.all_gather_object(digests, (f"pp{c.pp}.tp{c.tp}", runner.state.layout_digest, problem))
+    problems = sorted({p for _, _, p in digests if p})
+    if problems:
+        raise ValueError(problems[0])
+    return {key: digest for key, digest, _ in digests}
 
 
 class Protected:
@@ -241,9 +249,9 @@ class Protected:
         """Finish the last commit and any background persist; stop the watchdog; give the
         schedule and optimizer back (no more hooks). Collective. Called between
         iterations on every rank (after the loop, no exception in flight), it ends the
-        job: the snapshot stores are freed once the newest version is persisted to DCP,
-        or unless ``CheckpointConfig.keep_stores_on_close``; otherwise they stay for a
-        restart (the log says which)."""
+        job: the snapshot stores are freed unless ``CheckpointConfig.keep_stores_on_close``
+        (the log says whether the newest version is persisted to DCP); otherwise they stay
+        for a restart."""
         if self.engine is not None:
             finished = self._started and not self.runner.in_iteration and sys.exc_info()[0] is None
             with self.watchdog.section("close"):
