@@ -11,6 +11,7 @@ benchmark all build engines through it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,17 @@ class RunnerState:
 
     def apply(self) -> None:
         self.ts.apply()
+
+    def deferred_flags(self) -> tuple[str, list[str]] | None:
+        """See :meth:`TrainingState.deferred_flags` (the flags' name as the engine names it)."""
+        flags = self.ts.deferred_flags()
+        return None if flags is None else (self._rename[flags[0]], flags[1])
+
+    def place_deferred(self, created: Sequence[bool]) -> None:
+        self.ts.place_deferred(created)
+
+    def adopt_deferred(self) -> None:
+        self.ts.adopt_deferred()
 
 
 def make_injector(ck: CheckpointConfig, run_dir: Path, mesh: Mesh) -> Any:

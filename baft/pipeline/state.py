@@ -676,6 +676,36 @@ class TrainingState:
                 self.optimizer.state[p][key] = holder
             self._created[i] = 1
 
+    def deferred_flags(self) -> tuple[str, list[str]] | None:
+        """``("extra.optim.created", groups)``: the always-tensor with one byte per
+        deferred state (created or not) and the parameter FQN of each byte; None without
+        deferred state. A differential replay reads the bytes of each group's base."""
+        if not self._deferred:
+            return None
+        return "extra.optim.created", [self._param_names[id(p)] for p, _, _ in self._deferred]
+
+    def place_deferred(self, created: Sequence[bool]) -> None:
+        """Put each deferred state in the live optimizer state (its layout tensor) where
+        ``created`` says so, and take it out elsewhere: before a replay, as at each group's
+        base version, so that a replayed first step creates it as the original one did
+        (SGD clones the gradient; a left-out buffer would be cloned at every replay)."""
+        for (p, key, holder), made in zip(self._deferred, created, strict=True):
+            if made:
+                self.optimizer.state[p][key] = holder
+            elif p in self.optimizer.state:
+                self.optimizer.state[p].pop(key, None)
+
+    @torch.no_grad()
+    def adopt_deferred(self) -> None:
+        """After a replay: state its steps created goes into its layout tensor (as
+        :meth:`after_optimizer_step` does); :meth:`apply` then places it by the restored
+        version's flags."""
+        for p, key, holder in self._deferred:
+            live = self.optimizer.state.get(p, {}).get(key)
+            if live is not None and live is not holder:
+                local(holder).copy_(local(live))
+                self.optimizer.state[p][key] = holder
+
     def close(self) -> None:
         """Remove the step hook (if installed)."""
         if self._hook is not None:
@@ -802,11 +832,7 @@ class TrainingState:
                     f"state[{key!r}].load_state_dict failed on the restored state: {e}"
                 ) from e
         load_param_group_hypers(self.optimizer, r.hypers)
-        for (p, key, holder), made in zip(self._deferred, r.created, strict=True):
-            if made:
-                self.optimizer.state[p][key] = holder
-            elif p in self.optimizer.state:
-                self.optimizer.state[p].pop(key, None)
+        self.place_deferred(r.created)
         self._created.copy_(torch.tensor([int(x) for x in r.created], dtype=torch.uint8))
         for mod, leaf, shadow in self._buffers:  # checked in _decode: same shape and dtype
             local(mod._buffers[leaf]).copy_(shadow)  # type: ignore[arg-type]

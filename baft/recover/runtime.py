@@ -335,15 +335,17 @@ def _replay_window(
 ) -> dict[str, Any]:
     """Newest slices + replayed records into the live state, then the small state."""
     from baft.plan.payload import PayloadLayout
-    from baft.recover.differential import rebuild_from_payloads
+    from baft.recover.differential import DeferredState, rebuild_from_payloads
 
     layout = PayloadLayout.of(engine.flat.specs(), window.k)
     v = window.plans[-1].version
     assert v is not None
     t0 = time.time()
+    state = engine.state
     done = rebuild_from_payloads(
-        layout, payloads, v, window.first_version, dict(engine.state.named_tensors()),
-        engine.state.optimizer, engine.state.named_params(),
+        layout, payloads, v, window.first_version, dict(state.named_tensors()),
+        state.optimizer, state.named_params(),
+        deferred=state if isinstance(state, DeferredState) else None,
     )  # fmt: skip
     engine.apply_rng()
     done["seconds"] = round(time.time() - t0, 6)
