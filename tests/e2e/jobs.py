@@ -309,10 +309,14 @@ def relaunch(job: Job, hosts: list[str]) -> None:
 
 
 def inject(job: Job, rng: random.Random, stopped: list[int]) -> str:
-    """The case's fault at a random moment from iteration 7..10 on; returns what it did
-    (a stopped worker's pid is added to ``stopped``, for the caller to clean up)."""
+    """The case's fault at a random moment from iteration 7..10 on (10..12 with
+    differential checkpoints possible: ``full_every=auto`` may pick k=8, and a version is
+    rebuildable from memory only once the first rotation is a whole window old, 2
+    profiled + 8 iterations; before that a restore falls back to DCP or starts over by
+    design); returns what it did (a stopped worker's pid is added to ``stopped``, for the
+    caller to clean up)."""
     c = job.case
-    at = rng.randint(7, 10)
+    at = rng.randint(7, 10) if c.full_every == "1" else rng.randint(10, 12)
     wait_for(job, at)
     time.sleep(rng.uniform(0.0, 0.03))
     workers = job.workers()
