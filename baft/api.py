@@ -50,7 +50,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
-from baft.engine.watchdog import NoWatchdog, Watchdog, start_watchdog
+from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.layout import check_no_sharded_replicas, check_replica_layouts
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
@@ -124,7 +124,7 @@ class Protected:
         self.checkpoint = checkpoint
         """None: the same loop without checkpoints (a baseline)."""
         self.watchdog = watchdog or NoWatchdog()
-        """Heartbeat and hang detection (see :mod:`baft.engine.watchdog`)."""
+        """Heartbeat and hang detection (see :mod:`baft.liveness.watchdog`)."""
         self.engine: Any = None
         self._engine_cls = engine_cls
         self._t_launch = T_IMPORT  # about the process start: the restart phase ends here
@@ -300,7 +300,7 @@ def protect(
     ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
     ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
     the pipeline is bounded by ``checkpoint.timeout_s`` from here on, and a watchdog
-    ends this process when a peer freezes (see :mod:`baft.engine.watchdog`).
+    ends this process when a peer freezes (see :mod:`baft.liveness.watchdog`).
 
     For baselines: ``checkpointing=False`` runs the same loop without checkpoints,
     ``instrument=False`` the bare torch schedule (no slots, implies no checkpoints), and

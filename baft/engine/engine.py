@@ -55,10 +55,10 @@ from baft.engine.planning import (
     save_plan_input,
 )
 from baft.engine.redundancy import PeerStoreGone, RedundancyExchange
-from baft.engine.termination import Termination
 from baft.engine.transport import Transport
 from baft.engine.versions import COMPONENTS, CommitVote, PersistSchedule, Version
 from baft.engine.worker import ProtectWorker
+from baft.liveness.termination import Termination
 from baft.pipeline import IterationTimeline
 from baft.pipeline.layout import GlobalLayout
 from baft.plan.cost import CostModel

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from baft.engine.watchdog import read_hangs
+from baft.liveness.watchdog import read_hangs
 
 log = logging.getLogger("baft")
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from baft.config import CheckpointConfig, TrainConfig
-from baft.engine.watchdog import read_hangs
+from baft.liveness.watchdog import read_hangs
 from baft.plan.types import CheckpointPolicy
 from baft.train.launch import launch_env, prepare_run_dir, torchrun_command
 from tests.dist.runs import run_job, tiny_config

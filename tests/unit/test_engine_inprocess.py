@@ -236,7 +236,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path: Pa
     """The stop request rides on the commit vote: rank 1 alone saw SIGTERM during
     iteration 1, and both ranks leave at the start of iteration 2 (after the vote), no
     rank trains on alone."""
-    from baft.engine.termination import Termination
+    from baft.liveness.termination import Termination
 
     engines, states, _ = _engines(tmp_path, "replicate:1")
     flags = [Termination() for _ in engines]  # not installed: the test raises the flag

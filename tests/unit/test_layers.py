@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api",),
     ("recover",),
     ("engine",),
+    ("liveness",),
     ("pipeline", "model"),
     ("sim", "faults", "config"),
     ("store", "profile"),
@@ -35,7 +36,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Top to bottom, as in DESIGN.md §4 ("Imports only point down the list's layers"): a
 module may import its own layer and the layers below. Names are the first component
 under ``baft.``; ``<face>`` is ``baft/__init__.py``, the public face, which may import
-only ``api`` and ``config`` (``FACE_MAY_IMPORT``) and sits above the library it exposes."""
+only ``api`` and ``config`` (``FACE_MAY_IMPORT``) and sits above the library it exposes.
+``liveness`` (watchdog, SIGTERM) imports nothing from baft; it sits right under its
+lowest user, the engine (api and recover use it too)."""
 
 FACE_MAY_IMPORT = frozenset({"api", "config"})
 ARGPARSE_ONLY_IN = "cli"

@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = r"""
 import os, signal, time
-from baft.engine.termination import Termination
+from baft.liveness.termination import Termination
 t = Termination(grace_s=0.3).install()
 os.kill(os.getpid(), signal.SIGTERM)
 assert t.requested

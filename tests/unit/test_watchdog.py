@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from baft.engine import watchdog as wdm
-from baft.engine.watchdog import PeerView, Verdict, Watchdog, decide
+from baft.liveness import watchdog as wdm
+from baft.liveness.watchdog import PeerView, Verdict, Watchdog, decide
 
 T = 10.0
 
