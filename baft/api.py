@@ -55,6 +55,7 @@ from baft.pipeline.layout import check_no_sharded_replicas, check_replica_layout
 from baft.pipeline.mesh import Mesh, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
 from baft.pipeline.step import StepResult, StepRunner
+from baft.plan.names import is_extra
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
@@ -204,7 +205,7 @@ class Protected:
         objects): the replicas share one copy of it in a checkpoint (each holds a share
         of the stage's bytes), so a restore would give all of them the same one.
         Collective over the dp group, once."""
-        mine = {n: d for n, d in self.runner.state.digests().items() if n.startswith("extra.")}
+        mine = {n: d for n, d in self.runner.state.digests().items() if is_extra(n)}
         gathered: list[Any] = [None] * dist.get_world_size(self.mesh.dp_group)
         dist.all_gather_object(gathered, mine, group=self.mesh.dp_group)
         differ = sorted({n for g in gathered for n in mine if g.get(n) != mine[n]})

@@ -7,7 +7,8 @@ buffers such as BatchNorm statistics change during the forward passes of an iter
 of every stage module, the optimizer's per-parameter state
 (``optim.<fqn>.<key>``), and fixed-capacity uint8 tensors (``extra.*``) holding the small
 non-tensor state: RNG states, the param groups' hyperparameters, and the ``state_dict()``
-of every registered :class:`Stateful` (LR schedulers, samplers, counters). The engine
+of every registered :class:`Stateful` (LR schedulers, samplers, counters); the names are
+spelled by :mod:`baft.plan.names`. The engine
 snapshots those tensors like any other; :meth:`TrainingState.capture` refreshes the small
 ones from the live objects and :meth:`TrainingState.apply` loads them back, validating
 everything before it loads anything.
@@ -52,6 +53,7 @@ from baft.pipeline.encoding import (
     local,
 )
 from baft.pipeline.layout import GlobalLayout, placement_of
+from baft.plan import names
 
 log = logging.getLogger("baft")
 
@@ -65,8 +67,6 @@ SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 DEFAULT_EXTRA_CAPACITY = 64 * 1024
 """Bytes reserved for each registered state object's encoded ``state_dict()``."""
 META = "meta"
-META_PREFIX = "extra.meta."
-"""The optimizer record is ``extra.meta.<optimizer class>``."""
 """Capacity key of the blob holding the optimizer's class and param-group hyperparameters."""
 FORMAT = 1
 _HEADER = struct.Struct("<4sI")  # magic, payload length
@@ -191,10 +191,10 @@ def load_param_group_hypers(
 # ---------------------------------------------------------------------- optimizer state
 def check_optimizer(optimizer: Any) -> None:
     """Raise ValueError unless baft can checkpoint and replay this optimizer."""
-    names = ", ".join(c.__name__ for c in SUPPORTED_OPTIMIZERS)
+    supported = ", ".join(c.__name__ for c in SUPPORTED_OPTIMIZERS)
     if type(optimizer) not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
-            f"baft checkpoints the state of {names} (torch.optim, per-tensor steps); got "
+            f"baft checkpoints the state of {supported} (torch.optim, per-tensor steps); got "
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         )
     for i, g in enumerate(optimizer.param_groups):
@@ -389,21 +389,21 @@ class TrainingState:
         self._blob_len: dict[str, int] = {}
         # The optimizer's class is in the record's name: the layout alone (checked before
         # a restore writes any byte) tells Adam from AdamW, whose tensors are the same.
-        self.meta_name = f"{META_PREFIX}{type(optimizer).__name__}"
+        self.meta_name = names.meta(type(optimizer).__name__)
         self._add_blob(self.meta_name, self._cap(META, 4096 + 2048 * len(optimizer.param_groups)))
         for key in sorted(self.stateful):
-            self._add_blob(f"extra.state.{key}", self._cap(key, 0))
+            self._add_blob(names.state(key), self._cap(key, 0))
         self._created = torch.zeros(len(self._deferred), dtype=torch.uint8)
         for i, (p, key, holder) in enumerate(self._deferred):
             self._created[i] = int(self.optimizer.state.get(p, {}).get(key) is holder)
         if self._deferred:
-            self._entries.append(("extra.optim.created", self._created))
+            self._entries.append((names.OPTIM_CREATED, self._created))
         self._rng_cpu = torch.get_rng_state().clone()
-        self._entries.append(("extra.rng.cpu", self._rng_cpu))
+        self._entries.append((names.rng("cpu"), self._rng_cpu))
         self._rng_device: torch.Tensor | None = None
         if self.device.type == "cuda":  # the one device seam for RNG
             self._rng_device = torch.cuda.get_rng_state(self.device).clone()
-            self._entries.append(("extra.rng.cuda", self._rng_device))
+            self._entries.append((names.rng("cuda"), self._rng_device))
         self._digest = _layout_digest(self.layout())
         self._groups = self._group_structure()
         self._hook = (
@@ -433,36 +433,38 @@ class TrainingState:
 
     def _collect_model(self) -> None:
         seen: set[int] = set()
-        names: set[str] = set()
+        taken: set[str] = set()
 
         def add(name: str, t: torch.Tensor) -> bool:
             if id(t) in seen:  # shared between stage modules: saved once
                 return False
-            if name in names:
+            if name in taken:
                 raise ValueError(
                     f"two stage modules both have {name!r}: give stage modules their "
                     "original (distinct) fully qualified names"
                 )
             seen.add(id(t))
-            names.add(name)
+            taken.add(name)
             return True
 
         for m in self.modules:
             for fqn, p in m.named_parameters():
-                if add(f"model.{fqn}", p):
+                name = names.model(fqn)
+                if add(name, p):
                     self._param_names[id(p)] = fqn
-                    self._entries.append((f"model.{fqn}", local(p.data)))
-                    self._placement[f"model.{fqn}"] = placement_of(p.data)
-                    self._note_global(f"model.{fqn}", p.data)
+                    self._entries.append((name, local(p.data)))
+                    self._placement[name] = placement_of(p.data)
+                    self._note_global(name, p.data)
         for m in self.modules:
             for fqn, b in _persistent_buffers(m):
-                if add(f"buffer.{fqn}", b):
+                name = names.buffer(fqn)
+                if add(name, b):
                     owner, _, leaf = fqn.rpartition(".")
                     shadow = local(b).detach().clone(memory_format=torch.contiguous_format)
                     self._buffers.append((m.get_submodule(owner), leaf, shadow))
-                    self._entries.append((f"buffer.{fqn}", shadow))
-                    self._placement[f"buffer.{fqn}"] = placement_of(b)
-                    self._note_global(f"buffer.{fqn}", b)
+                    self._entries.append((name, shadow))
+                    self._placement[name] = placement_of(b)
+                    self._note_global(name, b)
 
     def _collect_optimizer(self) -> None:
         in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
@@ -490,9 +492,10 @@ class TrainingState:
                     )
                 if pid in deferred and key == deferred[pid]:
                     self._deferred.append((p, key, value))
-                self._entries.append((f"optim.{fqn}.{key}", local(value)))
-                self._placement[f"optim.{fqn}.{key}"] = placement_of(value)
-                self._note_global(f"optim.{fqn}.{key}", value)
+                name = names.optim(fqn, key)
+                self._entries.append((name, local(value)))
+                self._placement[name] = placement_of(value)
+                self._note_global(name, value)
         # In param-group order: the order a first step inserts state (state_dict() order).
         rank = {id(p): i for i, (p, _) in enumerate(order)}
         self._deferred.sort(key=lambda d: rank[id(d[0])])
@@ -552,13 +555,13 @@ class TrainingState:
         new = {i.name: i.nbytes for i in self.layout()}
         missing = sorted(set(old) - set(new))
         extra = sorted(set(new) - set(old))
-        was = [n[len(META_PREFIX) :] for n in missing if n.startswith(META_PREFIX)]
-        now = [n[len(META_PREFIX) :] for n in extra if n.startswith(META_PREFIX)]
+        was = [n[len(names.EXTRA_META) :] for n in missing if names.is_meta(n)]
+        now = [n[len(names.EXTRA_META) :] for n in extra if names.is_meta(n)]
         head = []
         if was and now:
             head = [f"the state was saved with optimizer {was[0]}, this run uses {now[0]}"]
-            missing = [n for n in missing if not n.startswith(META_PREFIX)]
-            extra = [n for n in extra if not n.startswith(META_PREFIX)]
+            missing = [n for n in missing if not names.is_meta(n)]
+            extra = [n for n in extra if not names.is_meta(n)]
         resized = sorted(
             f"{n} ({old[n]} -> {new[n]} bytes)" for n in set(old) & set(new) if old[n] != new[n]
         )
@@ -641,7 +644,7 @@ class TrainingState:
             obj = self.stateful[key]
             record = {"class": _qualname(obj), "state": obj.state_dict()}
             self._write(
-                f"extra.state.{key}",
+                names.state(key),
                 encode_blob(record, f"state[{key!r}].state_dict()"),
                 f"state[{key!r}]",
                 key,
@@ -682,7 +685,7 @@ class TrainingState:
         deferred state. A differential replay reads the bytes of each group's base."""
         if not self._deferred:
             return None
-        return "extra.optim.created", [self._param_names[id(p)] for p, _, _ in self._deferred]
+        return names.OPTIM_CREATED, [self._param_names[id(p)] for p, _, _ in self._deferred]
 
     def place_deferred(self, created: Sequence[bool]) -> None:
         """Put each deferred state in the live optimizer state (its layout tensor) where
@@ -727,7 +730,7 @@ class TrainingState:
                     if isinstance(v, torch.Tensor):
                         ptrs.add(local(v).data_ptr())
         for name, t in self._entries:
-            if name.startswith("extra.") or id(t) in skip:
+            if names.is_extra(name) or id(t) in skip:
                 continue
             if t.numel() and t.data_ptr() not in ptrs:
                 raise RuntimeError(
@@ -749,9 +752,9 @@ class TrainingState:
         self._load(restored)
 
     def _blobs_and_raw(self, name: str) -> torch.Tensor:
-        raw = {"extra.optim.created": self._created, "extra.rng.cpu": self._rng_cpu}
+        raw = {names.OPTIM_CREATED: self._created, names.rng("cpu"): self._rng_cpu}
         if self._rng_device is not None:
-            raw["extra.rng.cuda"] = self._rng_device
+            raw[names.rng("cuda")] = self._rng_device
         return self._blobs[name] if name in self._blobs else raw[name]
 
     def _decode(self, read: Callable[[str], torch.Tensor]) -> _Restored:
@@ -791,20 +794,18 @@ class TrainingState:
             live = mod._buffers.get(leaf)
             if live is None or local(live).shape != shadow.shape or live.dtype != shadow.dtype:
                 raise ValueError(f"buffer {leaf!r} of {type(mod).__name__} changed since start")
-        created = [int(x) for x in read("extra.optim.created").tolist()] if self._deferred else []
+        created = [int(x) for x in read(names.OPTIM_CREATED).tolist()] if self._deferred else []
         if any(x not in (0, 1) for x in created):
             raise ValueError("restored extra.optim.created holds values other than 0/1")
-        rng_cpu = read("extra.rng.cpu").detach().cpu().clone()
+        rng_cpu = read(names.rng("cpu")).detach().cpu().clone()
         _check_rng(rng_cpu, torch.device("cpu"))
         rng_device = None
         if self._rng_device is not None:
-            rng_device = read("extra.rng.cuda").detach().cpu().clone()
+            rng_device = read(names.rng("cuda")).detach().cpu().clone()
             _check_rng(rng_device, self.device)
         states = {}
         for key in keys:
-            rec = decode_blob(
-                _read_blob(read(f"extra.state.{key}"), f"state[{key!r}]"), self.device
-            )
+            rec = decode_blob(_read_blob(read(names.state(key)), f"state[{key!r}]"), self.device)
             now = _qualname(self.stateful[key])
             if type(rec) is not dict or rec.get("class") != now:
                 saved = rec.get("class") if type(rec) is dict else "?"

@@ -38,6 +38,7 @@ from baft.pipeline.state import (
     check_optimizer,
     local,
 )
+from baft.plan import names
 
 __all__ = ["StepHooks", "StepResult", "StepRunner", "check_optimizer", "combine_digests", "local"]
 
@@ -347,17 +348,17 @@ class StepRunner:
         of this rank, canonical order, DTensors as their local shard. Read from the live
         objects (a benchmark's peer library may replace optimizer state tensors); what
         baft checkpoints, buffers and small state included, is ``self.state.tensors()``."""
-        names = {}
+        fqn_of = {}
         for m in self.modules:
             for fqn, p in m.named_parameters():
-                names[id(p)] = fqn
-                yield f"model.{fqn}", local(p.data)
+                fqn_of[id(p)] = fqn
+                yield names.model(fqn), local(p.data)
         for p in self.params:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
-                    yield f"optim.{names[id(p)]}.{key}", local(value)
+                    yield names.optim(fqn_of[id(p)], key), local(value)
 
     def state_digests(self) -> dict[str, str]:
         """sha256 of this rank's parameters, buffers and optimizer state, per tensor.
@@ -368,7 +369,7 @@ class StepRunner:
         out = {name: hashlib.sha256(_tensor_bytes(t)).hexdigest() for name, t in self.named_state()}
         for m in self.modules:
             for fqn, b in m.named_buffers():
-                out[f"buffer.{fqn}"] = hashlib.sha256(_tensor_bytes(local(b))).hexdigest()
+                out[names.buffer(fqn)] = hashlib.sha256(_tensor_bytes(local(b))).hexdigest()
         return out
 
     def rank_digests(self) -> dict[str, str]:

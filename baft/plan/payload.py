@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from baft.plan import names
 from baft.plan.rotation import TensorGroup, assign_slices, slice_nbytes
 from baft.plan.types import TensorSpec
 
@@ -33,20 +34,8 @@ RECORD_META = "record.meta"
 """Name of the record's metadata blob in a payload."""
 SLICE = "slice"
 """Name of the planner's stand-in for the (padded) slice region of a payload."""
-GRAD_PREFIX = "grad."
+GRAD_PREFIX = names.GRAD
 """Record tensors are named ``grad.<fqn>`` after the parameter ``model.<fqn>``."""
-
-
-def group_of(name: str) -> str | None:
-    """The tensor group (parameter FQN) of a flat-state tensor name, None for 'always'.
-
-    ``model.<fqn>`` is the parameter itself, ``optim.<fqn>.<key>`` its optimizer state.
-    """
-    if name.startswith("model."):
-        return name[len("model.") :]
-    if name.startswith("optim."):
-        return name[len("optim.") :].rsplit(".", 1)[0]
-    return None
 
 
 @dataclass(frozen=True)
@@ -74,12 +63,12 @@ class PayloadLayout:
         members: dict[str, list[TensorSpec]] = {}
         params: dict[str, TensorSpec] = {}
         for s in specs:
-            g = group_of(s.name)
+            g = names.group_of(s.name)
             if g is None:
                 always.append(s)
                 continue
             members.setdefault(g, []).append(s)
-            if s.name == f"model.{g}":
+            if s.name == names.model(g):
                 params[g] = s
         orphans = sorted(set(members) - set(params))
         if orphans:
@@ -91,7 +80,7 @@ class PayloadLayout:
             k=k,
             always=tuple(always),
             meta_nbytes=meta_nbytes,
-            grads=tuple(TensorSpec(GRAD_PREFIX + g, params[g].nbytes) for g in groups),
+            grads=tuple(TensorSpec(names.grad(g), params[g].nbytes) for g in groups),
             groups=groups,
             members={g: tuple(members[g]) for g in groups},
             slice_of=dict(zip(groups, assignment, strict=True)),
@@ -169,10 +158,10 @@ def auto_full_every(
 
     per_byte_s = 1.0 / copy_Bps + fanout / net_Bps
     capacity = AUTO_FILL * max(capacity_s, 0.0) / per_byte_s
-    record = sum(s.nbytes for s in specs if s.name.startswith("model."))
+    record = sum(s.nbytes for s in specs if names.is_model(s.name))
     groups: dict[str, int] = {}
     for s in specs:
-        g = group_of(s.name)
+        g = names.group_of(s.name)
         if g is not None:
             groups[g] = groups.get(g, 0) + s.nbytes
     k, why = choose_full_every(record, list(groups.values()), capacity, max_k)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from baft.plan import names
 from baft.plan.rotation import (
     TensorGroup,
     assign_slices,
@@ -126,7 +127,7 @@ def tensor_groups(scn: Scenario, pp: int) -> tuple[tuple[TensorGroup, ...], int]
     for t in rank_tensors(scn, pp):
         name = _group_name(t.name)
         sizes[name] = sizes.get(name, 0) + t.nbytes
-        if t.name.startswith("model."):
+        if names.is_model(t.name):
             params += t.nbytes // WEIGHT_BYTES_PER_PARAM
     return tuple(TensorGroup(n, b) for n, b in sizes.items()), params
 
@@ -150,11 +151,11 @@ def payload_layouts(
         members = {g.name for g, j in zip(groups, a, strict=True) if j == worst}
         record = [
             TensorSpec(
-                name=f"grad.{t.name[len('model.') :]}",
+                name=names.grad(_group_name(t.name)),
                 nbytes=t.nbytes // WEIGHT_BYTES_PER_PARAM * grad_bytes_per_param,
             )
             for t in rank_tensors(scn, pp)
-            if t.name.startswith("model.")
+            if names.is_model(t.name)
         ]
         full = [t for t in rank_tensors(scn, pp) if _group_name(t.name) in members]
         per_pp.append(tuple(record + full))
@@ -165,8 +166,11 @@ def payload_layouts(
 
 
 def _group_name(tensor_name: str) -> str:
-    kind, _, rest = tensor_name.partition(".")
-    return rest if kind == "model" else rest.rsplit(".", 1)[0]
+    """The tensor group of a preset tensor (presets hold parameters and optimizer state)."""
+    group = names.group_of(tensor_name)
+    if group is None:
+        raise ValueError(f"{tensor_name!r} is neither a parameter nor optimizer state")
+    return group
 
 
 def bubbles_per_pp(scn: Scenario) -> tuple[tuple[float, ...], float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from baft.plan import names
 from baft.plan.types import StateLayout, TensorSpec
 from baft.sim.schedules import SCHEDULES, num_stages, stage_rank
 from baft.sim.simulator import StageTimes
@@ -338,9 +339,9 @@ def rank_tensors(scn: Scenario, pp: int) -> tuple[TensorSpec, ...]:
         for s in scn.rank_stages[pp]
         for name, n in _stage_tensors(scn.model, s, total, scn.stage_layers[s])
     ]
-    model = [TensorSpec(name=f"model.{name}", nbytes=2 * n) for name, n in named]
+    model = [TensorSpec(name=names.model(name), nbytes=2 * n) for name, n in named]
     optim = [
-        TensorSpec(name=f"optim.{name}.{part}", nbytes=4 * n)
+        TensorSpec(name=names.optim(name, part), nbytes=4 * n)
         for name, n in named
         for part in ("master", "exp_avg", "exp_avg_sq")
     ]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from baft.plan.names import group_of
 from baft.plan.payload import (
     AUTO_FILL,
     RECORD_META,
     SLICE,
     PayloadLayout,
     auto_full_every,
-    group_of,
 )
 from baft.plan.types import TensorSpec
 
@@ -27,13 +27,6 @@ SPECS = (
     TensorSpec("buffer.bn.running_mean", 64),
     TensorSpec("extra.pp0.tp0.rng", 5056),
 )
-
-
-def test_group_of_names() -> None:
-    assert group_of("model.a.weight") == "a.weight"
-    assert group_of("optim.a.weight.exp_avg_sq") == "a.weight"
-    assert group_of("buffer.bn.running_mean") is None
-    assert group_of("extra.pp0.tp0.rng") is None
 
 
 def test_layout_sizes_and_order() -> None:
