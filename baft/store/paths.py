@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROGRESS_FILE = "progress"
-"""Four int64: version being written, its slot, shard bytes final so far, a change count."""
+"""One page: the version being written, its slot, how many shard bytes are final (layout
+and protocol: :mod:`baft.store.progress`)."""
 KINDS = ("data", "red")
 """The two files of a slot: the shard (``data``) and its redundancy area (``red``)."""
 SLOT_FILE = re.compile(r"^slot(\d+)\.(?:data|red|json)$")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from baft.store import progress
 from baft.store.paths import PROGRESS_FILE, slot_file_name
 from baft.store.shm import MAX_SLOTS
 
@@ -57,15 +58,9 @@ class PeerStore:
         """(slot, final shard bytes) of ``version`` as the sender published it, or None
         while the sender is not writing that version (yet)."""
         raw = self._mapped(PROGRESS_FILE)
-        if raw is None:
+        if raw is None or raw.nbytes < progress.NBYTES:
             return None
-        p = raw[:32].view(np.int64)
-        if int(p[0]) != version:
-            return None
-        slot, covered = int(p[1]), int(p[2])
-        if int(p[0]) != version or slot not in range(MAX_SLOTS):  # changed under us
-            return None
-        return slot, covered
+        return progress.covered(progress.fields(raw), version, MAX_SLOTS)
 
     def gone(self) -> bool:
         """The sender's store was removed under it (wiped, node lost): it publishes nothing

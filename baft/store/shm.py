@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from baft.store import progress
 from baft.store.manifest import (
     FORMAT,
     Manifest,
@@ -205,24 +206,15 @@ class SnapshotStore:
             if fd >= 0:
                 os.close(fd)
         self._progress_map = progress_map
-        self._progress = np.frombuffer(progress_map, np.int64, count=4)
-        self._progress[:3] = (-1, -1, 0)
+        self._progress = progress.fields(progress_map)
+        progress.clear(self._progress)
 
     def publish(self, version: int, slot: int, covered: int) -> None:
         """Tell same-host readers that the first ``covered`` shard bytes of ``version`` in
-        ``slot`` are final. Fields are written so that a reader that sees the version
-        also sees its slot (readers re-check the version after reading; x86-TSO order)."""
-        p = self._progress
-        if p is None:
+        ``slot`` are final (the page's layout and protocol: :mod:`baft.store.progress`)."""
+        if self._progress is None:
             raise RuntimeError(f"rank {self.rank} store: call allocate() first")
-        if p[0] != version:
-            p[0] = -1
-            p[1] = slot
-            p[2] = covered
-            p[0] = version
-        else:
-            p[2] = covered
-        p[3] += 1
+        progress.publish(self._progress, version, slot, covered)
 
     def _make_dirs(self) -> None:
         for p in (self.root, self.root / self.job_id, self.path.parent, self.path):
