@@ -20,6 +20,7 @@ Everything else in the engine works on host bytes and never asks where the model
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -33,14 +34,10 @@ import torch
 import xxhash
 
 from baft.engine.priority import lower_thread_priority, raised
+from baft.store.hashing import HASH_BLOCK_BYTES, copy_hashing
 
 _log = logging.getLogger("baft")
 
-HASH_BLOCK_BYTES = 512 << 10
-"""Copy-and-hash granularity: a block is hashed right after it is copied, while it is
-still in the core's L2 cache (measured: copy then hash of the same block costs little
-more than the copy alone; a separate hash pass over a 8 MiB chunk re-reads it from L3 or
-memory)."""
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 """(host destination, live source) uint8 views of equal length."""
@@ -51,13 +48,15 @@ def copy_hash(pairs: Sequence[Pair]) -> int:
     concatenated in order (for a chunk: the same digest as hashing the chunk afterwards)."""
     h = xxhash.xxh3_64()
     for dst, src in pairs:
-        n = dst.numel()
-        for lo in range(0, n, HASH_BLOCK_BYTES):
-            hi = min(n, lo + HASH_BLOCK_BYTES)
-            d = dst[lo:hi]
-            d.copy_(src[lo:hi])
-            h.update(d.numpy().data)
+        copy_hashing(h, dst.numel(), functools.partial(_copy_block, dst, src))
     return h.intdigest()
+
+
+def _copy_block(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> memoryview:
+    """Copy bytes ``[lo, hi)`` of ``src`` into ``dst``; the copied bytes, for hashing."""
+    d = dst[lo:hi]
+    d.copy_(src[lo:hi])
+    return d.numpy().data
 
 
 class ChunkCopy:
@@ -341,6 +340,7 @@ __all__ = [
     "ChunkCopy",
     "CudaCopy",
     "DeviceCopy",
+    "HASH_BLOCK_BYTES",
     "HostCopy",
     "HostPins",
     "ThreadCopy",
