@@ -20,6 +20,7 @@ vs ``bytes_sent``/``bytes_received``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,9 +29,9 @@ import numpy as np
 import torch
 import xxhash
 
-from baft.engine.device import HASH_BLOCK_BYTES
 from baft.engine.transport import Handle, Transport
 from baft.store.coding import GroupLayout, Region
+from baft.store.hashing import copy_hashing
 from baft.store.manifest import checksum
 from baft.store.peer import PeerStore
 
@@ -224,11 +225,7 @@ class RedundancyExchange:
                 region = self.regions[p.region_id]
                 lo = region.offset + p.input_offset
                 hasher = self._hashers.setdefault(p.region_id, xxhash.xxh3_64())
-                for b in range(0, p.nbytes, HASH_BLOCK_BYTES):  # hash each block while hot
-                    n = min(HASH_BLOCK_BYTES, p.nbytes - b)
-                    dst = red[lo + b : lo + b + n]
-                    np.copyto(dst, got[b : b + n])
-                    hasher.update(dst.data)
+                copy_hashing(hasher, p.nbytes, functools.partial(_copy_block, red, lo, got))
                 copied += p.nbytes
                 i += 1
             self._next_pull[src] = i
@@ -313,3 +310,11 @@ class RedundancyExchange:
                 self.region_checksums[r.region_id] = checksum(out)
         self.seconds["encode"] += time.perf_counter() - start
         return encoded
+
+
+def _copy_block(red: np.ndarray, at: int, got: np.ndarray, lo: int, hi: int) -> memoryview:
+    """Copy bytes ``[lo, hi)`` of a pulled piece to ``red[at + lo : at + hi]``; the
+    copied bytes, for hashing."""
+    dst = red[at + lo : at + hi]
+    np.copyto(dst, got[lo:hi])
+    return dst.data
