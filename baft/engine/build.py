@@ -23,6 +23,7 @@ from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
 from baft.engine.persister import Persister, PersistKeys, choose_persist_keys
+from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.termination import Termination
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
@@ -150,14 +151,16 @@ def build_engine(
     mesh: Mesh,
     runner: StepRunner,
     *,
-    engine_cls: type[CheckpointEngine] = CheckpointEngine,
+    scheduling: Scheduling | None = None,
     transport: Transport | None = None,
     persist: bool = True,
 ) -> CheckpointEngine:
     """Build the engine of this rank and install it as ``runner``'s hooks. Collective.
 
-    ``engine_cls`` swaps the scheduling (the naive-async benchmark baseline);
-    ``persist=False`` builds no DCP persister (benchmarks)."""
+    ``scheduling``: when snapshot tasks start (default :class:`BubbleAware`; a baseline
+    passes :class:`~baft.engine.scheduling.AllAtStart`); ``persist=False`` builds no DCP
+    persister."""
+    scheduling = scheduling if scheduling is not None else BubbleAware()
     run_dir = Path(run_dir)
     transport = transport or GlooTransport(ck.timeout_s)
     store = SnapshotStore(
@@ -170,7 +173,7 @@ def build_engine(
     # they overlap compute as naive-async's would (bubble-aware is never worse).
     spill_copier = copier if copier.asynchronous else ThreadCopy()
     # Host-side protect work waits for bubbles only when the host also computes.
-    gated = mesh.device.type == "cpu" and not thread_copy and engine_cls.bubble_aware
+    gated = mesh.device.type == "cpu" and not thread_copy and scheduling.bubble_aware
     worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
     location, peers = find_same_host_peers(
         transport, store.path, store.root, mesh.topology, enabled=ck.exchange == "auto"
@@ -198,9 +201,10 @@ def build_engine(
         persister=persister,
         injector=make_injector(ck, run_dir, mesh),
         termination=Termination().install() if persister and ck.flush_on_sigterm else None,
+        scheduling=scheduling,
         keys=agree_persist_keys(transport, mesh, [n for n, _ in state.named_tensors()]),
     )
-    engine = engine_cls(
+    engine = CheckpointEngine(
         ck, run_dir, topology=mesh.topology, rank=mesh.rank, device=mesh.device,
         state=state, parts=parts,
     )  # fmt: skip

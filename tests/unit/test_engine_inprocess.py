@@ -17,11 +17,11 @@ from baft.config import CheckpointConfig
 from baft.engine.device import HostCopy, ThreadCopy
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.local_transport import LocalTransport, PeerFailed
-from baft.engine.planning import save_plan_input
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.inputs import bmap_to_json, layout_to_json
 from baft.plan.types import BubbleMap, Slot, StateLayout
+from baft.store.records import PlanInput
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 
@@ -121,7 +121,7 @@ def _engines(
         "cost": {"copy_Bps": copy_Bps, "net_Bps": 1e9, "encode_Bps": 2e9, "persist_Bps": 1e9},
         "world_size": WORLD,
     }
-    save_plan_input(tmp / "run", plan_input)
+    PlanInput.from_json(plan_input).save(tmp / "run")
     return engines, states, transports
 
 
@@ -200,11 +200,11 @@ def test_copies_issued_off_the_training_thread_commit_exact_bytes(tmp_path: Path
     engines, states, _ = _engines(tmp_path, "replicate:1", spill=_OffThreadCopy, copy_Bps=1e6)
     expected = _four_iterations(engines, states)
     for r, e in enumerate(engines):
-        copier = e.spill_copier
+        copier = e.writer.spill_copier
         assert isinstance(copier, _OffThreadCopy)
         assert copier.marks == 3  # versions 1..3 (iteration 0 profiles)
         assert any(n.startswith("baft-issue") for n in copier.threads)
-        assert e.schedule.by_slot.get("w0")  # some chunks did fit the bubble
+        assert e.writer.schedule.by_slot.get("w0")  # some chunks did fit the bubble
         store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
         inv = store.inventory(verify=True)
         assert inv.committed == 3
@@ -228,7 +228,7 @@ def test_a_peer_failing_mid_exchange_fails_the_version(tmp_path: Path) -> None:
     with pytest.raises(PeerFailed):
         _on_ranks(die_or_wait)
     for e in engines:
-        e.worker.shutdown()
+        e.writer.worker.shutdown()
         e.store.close()
 
 
@@ -259,5 +259,5 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path: Pa
     assert stopped_at == [2, 2]
     assert all(e.committed == 1 for e in engines)  # v1 committed by the same vote
     for e in engines:
-        e.worker.shutdown()
+        e.writer.worker.shutdown()
         e.store.close()
