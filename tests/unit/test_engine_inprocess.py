@@ -17,6 +17,7 @@ from baft.config import CheckpointConfig
 from baft.engine.device import HostCopy, ThreadCopy
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.local_transport import LocalTransport, PeerFailed
+from baft.engine.scheduling import AllAtStart, BubbleAware
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.inputs import bmap_to_json, layout_to_json
@@ -77,7 +78,12 @@ class _OffThreadCopy(ThreadCopy):
 
 
 def _engines(
-    tmp: Path, redundancy: str, *, spill: Callable[[], ThreadCopy] = ThreadCopy, copy_Bps=2e9
+    tmp: Path,
+    redundancy: str,
+    *,
+    spill: Callable[[], ThreadCopy] = ThreadCopy,
+    copy_Bps=2e9,
+    scheduling: Callable[[], Any] = BubbleAware,
 ) -> tuple[list[CheckpointEngine], list[_State], list[Any]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy={redundancy},persist=0,full_every=1")
@@ -94,6 +100,7 @@ def _engines(
             worker=ProtectWorker(gated=False),
             peers={},
             persister=None,
+            scheduling=scheduling(),
         )
         engines.append(
             CheckpointEngine(
@@ -189,6 +196,34 @@ def test_versions_commit_with_exact_bytes_and_replicas(tmp_path: Path) -> None:
         assert bytes(store.read(slot, "red", 0, len(expected[peer][3]))) == expected[peer][3]
         assert e.last_metrics["bytes"]["snapshot"] == len(expected[r][3])
         assert e.last_metrics["bytes"]["recv"] == len(expected[peer][3])
+        store.close()
+
+
+def test_all_at_start_scheduling_commits_the_same_bytes(tmp_path: Path) -> None:
+    """The naive-async baseline is a scheduling strategy: every task starts on the worker
+    at the iteration's start, none at a slot, the training thread joins them before the
+    step; the committed versions hold exactly what bubble-aware scheduling writes."""
+    engines, states, _ = _engines(tmp_path, "replicate:1", scheduling=AllAtStart)
+    threads: set[str] = set()
+    for e in engines:
+        snapshot = e.writer.snapshot
+
+        def record(*args: Any, _snapshot: Any = snapshot, **kwargs: Any) -> None:
+            threads.add(threading.current_thread().name)
+            _snapshot(*args, **kwargs)
+
+        e.writer.snapshot = record  # type: ignore[method-assign]
+    expected = _four_iterations(engines, states)
+    assert threads == {"baft-protect"}  # every task on the worker, none at a slot
+    for r, e in enumerate(engines):
+        store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
+        inv = store.inventory(verify=True)
+        newest = inv.get(3)
+        assert inv.committed == 3 and newest is not None and newest.usable
+        assert bytes(store.read(newest.slot, "data")) == expected[r][3]
+        peer = 1 - r
+        assert bytes(store.read(newest.slot, "red", 0, len(expected[peer][3]))) == expected[peer][3]
+        assert e.last_metrics["bytes"]["snapshot"] == len(expected[r][3])
         store.close()
 
 
