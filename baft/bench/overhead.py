@@ -279,15 +279,14 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
             out_dir=bcfg.out_dir,
             ranks_per_node=bcfg.ranks_per_node,
         )
-    from baft.bench.naive import NaiveAsyncEngine
     from baft.engine.build import build_engine
-    from baft.engine.engine import CheckpointEngine
+    from baft.engine.scheduling import AllAtStart, BubbleAware
 
     run_dir = Path(bcfg.out_dir) / f"engine-{mode}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    engine_cls = NaiveAsyncEngine if mode == "naive-async" else CheckpointEngine
+    scheduling = AllAtStart() if mode == "naive-async" else BubbleAware()
     ck = bcfg.engine_checkpoint(mode)
-    return build_engine(ck, run_dir, mesh, trainer.runner, engine_cls=engine_cls)
+    return build_engine(ck, run_dir, mesh, trainer.runner, scheduling=scheduling)
 
 
 def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tuple[dict, dict]:

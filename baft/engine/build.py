@@ -23,12 +23,14 @@ from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
 from baft.engine.persister import Persister, PersistKeys, choose_persist_keys
+from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
 from baft.liveness.termination import Termination
 from baft.pipeline.layout import GlobalLayout
 from baft.pipeline.mesh import Mesh
 from baft.pipeline.step import StepRunner
+from baft.plan import names
 from baft.store.shm import SnapshotStore
 
 log = logging.getLogger("baft")
@@ -45,7 +47,7 @@ class RunnerState:
     tensors. DP replicas share them (their state is identical). Parameters stay
     ``model.<fqn>`` and optimizer state ``optim.<fqn>.<key>``; everything else (buffers,
     records) is copied every version by differential checkpoints
-    (:func:`baft.plan.payload.group_of` is None for it).
+    (:func:`baft.plan.names.group_of` is None for it).
 
     :meth:`capture` is the version's start (its first ``schedule.step``): the LR schedulers
     and the hyperparameters they set. The rest of the small state is captured by the runner
@@ -57,11 +59,8 @@ class RunnerState:
         self.runner = runner
         self.ts = runner.state
         c = runner.mesh.coords
-        self._prefix = prefix = f"extra.pp{c.pp}.tp{c.tp}."
-        self._rename = {
-            n: prefix + n[len("extra.") :] if n.startswith("extra.") else n
-            for n, _ in self.ts.tensors()
-        }
+        self._prefix = prefix = names.extra_prefix(c.pp, c.tp)
+        self._rename = {n: names.with_coords(n, prefix) for n, _ in self.ts.tensors()}
         self._named = [(self._rename[n], t) for n, t in self.ts.tensors()]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -92,10 +91,7 @@ class RunnerState:
     def check_layout(self, saved: list[tuple[str, int]]) -> None:
         """Raise ValueError naming what differs unless ``saved`` (names, bytes as the
         engine named them) is this state's layout. Before any restored byte is written."""
-        p = self._prefix
-        self.ts.check_layout(
-            [("extra." + n[len(p) :] if n.startswith(p) else n, b) for n, b in saved]
-        )
+        self.ts.check_layout([(names.without_coords(n, self._prefix), b) for n, b in saved])
 
     def apply(self) -> None:
         self.ts.apply()
@@ -150,14 +146,16 @@ def build_engine(
     mesh: Mesh,
     runner: StepRunner,
     *,
-    engine_cls: type[CheckpointEngine] = CheckpointEngine,
+    scheduling: Scheduling | None = None,
     transport: Transport | None = None,
     persist: bool = True,
 ) -> CheckpointEngine:
     """Build the engine of this rank and install it as ``runner``'s hooks. Collective.
 
-    ``engine_cls`` swaps the scheduling (the naive-async benchmark baseline);
-    ``persist=False`` builds no DCP persister (benchmarks)."""
+    ``scheduling``: when snapshot tasks start (default :class:`BubbleAware`; a baseline
+    passes :class:`~baft.engine.scheduling.AllAtStart`); ``persist=False`` builds no DCP
+    persister."""
+    scheduling = scheduling if scheduling is not None else BubbleAware()
     run_dir = Path(run_dir)
     transport = transport or GlooTransport(ck.timeout_s)
     store = SnapshotStore(
@@ -170,7 +168,7 @@ def build_engine(
     # they overlap compute as naive-async's would (bubble-aware is never worse).
     spill_copier = copier if copier.asynchronous else ThreadCopy()
     # Host-side protect work waits for bubbles only when the host also computes.
-    gated = mesh.device.type == "cpu" and not thread_copy and engine_cls.bubble_aware
+    gated = mesh.device.type == "cpu" and not thread_copy and scheduling.bubble_aware
     worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
     location, peers = find_same_host_peers(
         transport, store.path, store.root, mesh.topology, enabled=ck.exchange == "auto"
@@ -198,9 +196,10 @@ def build_engine(
         persister=persister,
         injector=make_injector(ck, run_dir, mesh),
         termination=Termination().install() if persister and ck.flush_on_sigterm else None,
+        scheduling=scheduling,
         keys=agree_persist_keys(transport, mesh, [n for n, _ in state.named_tensors()]),
     )
-    engine = engine_cls(
+    engine = CheckpointEngine(
         ck, run_dir, topology=mesh.topology, rank=mesh.rank, device=mesh.device,
         state=state, parts=parts,
     )  # fmt: skip

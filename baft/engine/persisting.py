@@ -9,7 +9,8 @@
   bounded, because the process is about to exit.
 
 DP replicas hold the same state: each persists its share of whole tensors
-(:func:`replica_share`), so every key is written exactly once.
+(:func:`replica_share`), so every key is written exactly once. :class:`Persisting` owns
+the cadence (one rule for all three: :meth:`Persisting.due`) and the save in flight.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState, typed_view
-from baft.engine.persister import Persister, persist_name
+from baft.engine.persister import KEYS_META, Persister, PersistKeys, SaveHandle, persist_name
+from baft.topology import Topology
 
 log = logging.getLogger("baft")
 
@@ -117,3 +119,121 @@ def flush(
         )
     except Exception as e:  # noqa: BLE001 - exiting anyway; memory keeps the rest
         log.error("SIGTERM: flushing v%d failed (%s); exiting", version, e)
+
+
+class Persisting:
+    """Every ``persist_every``-th checkpoint to DCP in the background, never blocking
+    training, and the SIGTERM flush. Keeps the store from overwriting a slot the
+    persister still reads (:meth:`reading_other_than`)."""
+
+    def __init__(
+        self,
+        persister: Persister | None,
+        *,
+        every: int,
+        interval: int,
+        keys: PersistKeys,
+        topology: Topology,
+        rank: int,
+        flat: FlatState,
+        device: torch.device,
+        layout_digests: dict[str, str],
+        fire: Callable[[str, int], None] = lambda point, iteration: None,
+    ) -> None:
+        self.persister = persister
+        self.every = every
+        self.interval = max(1, interval)
+        self.keys = keys
+        self.topology = topology
+        self.rank = rank
+        self.flat = flat
+        self.layout_digests = layout_digests
+        self._fire = fire
+        self._copy = LiveCopy(device, keys)
+        self._inflight: tuple[int, SaveHandle] | None = None
+
+    def due(self, version: int) -> bool:
+        """The cadence, one rule for slot views, the live copy and nothing else: the
+        ``persist_every``-th checkpoint counted from version 0 (so a restarted job keeps
+        the versions it persists)."""
+        return (
+            self.persister is not None
+            and self.every > 0
+            and version % self.interval == 0
+            and (version // self.interval) % self.every == 0
+        )
+
+    def _share(self) -> list[tuple[str, torch.Tensor]]:
+        named = list(zip(self.flat.names, self.flat.tensors, strict=True))
+        return replica_share(named, self.topology.coords(self.rank).dp, self.topology.num_dp)
+
+    def version_opened(self, version: int, *, differential: bool, copier: DeviceCopy) -> None:
+        """Differential: a due version's live state (this DP replica's share) is copied
+        in the background for the persister, read once that version commits."""
+        if not differential or not self.due(version):
+            return
+        self.join()  # the buffer is reused
+        self._copy.start(version, self._share(), copier)
+
+    def committed(
+        self,
+        version: int,
+        *,
+        differential: bool,
+        slot_data: Callable[[], tuple[torch.Tensor, int, int]],
+    ) -> None:
+        """``version`` committed: start its save if due. Full snapshots save typed views
+        of the committed slot (``slot_data()``: its bytes and the owned flat range)."""
+        if differential:
+            copied = self._copy.take(version)
+            if copied is not None:
+                self._start(version, lambda: copied)
+            return
+        if not self.due(version):
+            return
+
+        def views() -> dict[str, torch.Tensor]:
+            data, start, stop = slot_data()
+            return slot_views(self.flat, data, start, stop, self.keys)
+
+        self._start(version, views)
+
+    def _start(self, version: int, state: Callable[[], dict[str, torch.Tensor]]) -> None:
+        assert self.persister is not None
+        self._fire("persist", version)
+        self.join()
+        handle = self.persister.save_async(version, state(), self.meta(version))
+        self._inflight = (version, handle)
+
+    def flush(self, version: int, timeout_s: float, where: str | None) -> None:
+        """SIGTERM: persist the live state (version ``version``) now, within ``timeout_s``."""
+        if self.persister is None:
+            return
+        state = {self.keys(n): t for n, t in self._share()}
+        flush(self.persister, version, state, self.meta(version), timeout_s, str(where))
+
+    def meta(self, version: int) -> dict[str, Any]:
+        """What a DCP checkpoint of ``version`` records in its ``baft_meta.json``."""
+        return {
+            "version": version,
+            "rank_meta": {},
+            "world_size": self.topology.world_size,
+            KEYS_META: self.keys.scheme,
+            "layouts": self.layout_digests,  # checked before a DCP restore writes a byte
+        }
+
+    def join(self) -> None:
+        """Wait for the DCP save in flight, if any."""
+        if self._inflight is not None:
+            self._inflight[1].wait()
+            self._inflight = None
+
+    def reading_other_than(self, committed: int | None) -> bool:
+        """A save is still reading a slot that is not the committed one (the slot about
+        to be overwritten)."""
+        return self._inflight is not None and self._inflight[0] != committed
+
+    def shutdown(self) -> None:
+        self.join()
+        if self.persister is not None:
+            self.persister.shutdown()

@@ -3,24 +3,21 @@
 Every rank gathers all BubbleMaps and state layouts on the transport and runs the pure
 planner (:func:`baft.plan.planner.plan`): identical inputs give an identical
 :class:`CheckpointPlan` everywhere, no coordinator. The inputs are saved in the run
-directory (:data:`~baft.plan.inputs.PLAN_INPUT_FILE`) so a restarted job re-plans at
-once, without profiling. :class:`SnapshotSchedule` is one rank's share of a plan in the
+directory (:class:`~baft.store.records.PlanInput`) so a restarted job re-plans at once,
+without profiling. :class:`SnapshotSchedule` is one rank's share of a plan in the
 form the executor uses at run time: the snapshot tasks per slot with their pieces of the
 flat state, resolved once.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from baft.engine.flat import FlatState, Piece
 from baft.engine.transport import Transport
 from baft.plan.cost import CostModel
 from baft.plan.inputs import (
-    PLAN_INPUT_FILE,
     bmap_from_json,
     bmap_to_json,
     layout_from_json,
@@ -95,18 +92,6 @@ def gather_plan_input(
         "cost": gathered[0]["cost"],
         "world_size": world_size,
     }
-
-
-def load_plan_input(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / PLAN_INPUT_FILE
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def save_plan_input(run_dir: Path, plan_input: dict[str, Any]) -> None:
-    """Atomically replace the run directory's saved planner inputs (call on one rank)."""
-    tmp = run_dir / (PLAN_INPUT_FILE + ".tmp")
-    tmp.write_text(json.dumps(plan_input))
-    tmp.replace(run_dir / PLAN_INPUT_FILE)
 
 
 CALIBRATE_NBYTES = 64 << 20

@@ -174,13 +174,12 @@ def recover_and_start(
 def _check_saved_layout(engine: CheckpointEngine) -> None:
     """Raise ValueError naming the tensors that differ unless this rank's state has the
     layout (names, sizes) saved with the run's plan input (every rank's, at plan time)."""
-    from baft.engine.planning import load_plan_input
+    from baft.store.records import PlanInput
 
-    saved = load_plan_input(engine.run_dir)
-    ranks = (saved or {}).get("ranks") or []
-    if engine.rank < len(ranks):
-        tensors = ranks[engine.rank]["layout"]["tensors"]
-        engine.state.check_layout([(str(n), int(b)) for n, b in tensors])
+    saved = PlanInput.load(engine.run_dir)
+    tensors = saved.saved_tensors(engine.rank) if saved is not None else None
+    if tensors is not None:
+        engine.state.check_layout(tensors)
 
 
 def _check_identity(

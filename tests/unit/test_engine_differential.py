@@ -17,7 +17,7 @@ from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.flat import FlatState, byte_view
 from baft.engine.local_transport import LocalTransport
-from baft.engine.planning import save_plan_input, store_bytes
+from baft.engine.planning import store_bytes
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.pipeline.state import TrainingState
@@ -25,6 +25,7 @@ from baft.plan.inputs import bmap_to_json, layout_to_json
 from baft.plan.payload import PayloadLayout
 from baft.plan.types import BubbleMap, Slot, StateLayout
 from baft.recover.differential import RestoreError, rebuild_from_payloads, window_of
+from baft.store.records import PlanInput
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 from tests.unit.test_engine_inprocess import _on_ranks
@@ -122,8 +123,7 @@ def _build(
     ]
     (tmp / "run").mkdir(parents=True)
     slots = (Slot("w0", idle_s), Slot("pre_step", min(idle_s, 0.001), kind="pre_step"))
-    save_plan_input(
-        tmp / "run",
+    PlanInput.from_json(
         {
             "ranks": [
                 {
@@ -137,7 +137,7 @@ def _build(
             "cost": {"copy_Bps": 2e9, "net_Bps": 1e9, "encode_Bps": 2e9, "persist_Bps": 1e9},
             "world_size": WORLD,
         },
-    )
+    ).save(tmp / "run")
     return engines, models
 
 
@@ -181,15 +181,15 @@ def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
         meta = found[7].manifest.meta["diff"]  # type: ignore[union-attr]
         assert (meta["k"], meta["slice"], meta["has_record"]) == (k, 7 % k, True)
         if odd_bytes:
-            grad0 = e.payload.layout.order(7 % k)  # type: ignore[union-attr]
-            head = [s.name for s in grad0].index(e.payload.layout.grads[0].name)  # type: ignore[union-attr]
+            grad0 = e.rotation.layout.payload.layout.order(7 % k)  # type: ignore[union-attr]
+            head = [s.name for s in grad0].index(e.rotation.layout.payload.layout.grads[0].name)  # type: ignore[union-attr]
             assert sum(s.nbytes for s in grad0[:head]) % 4 != 0
         fresh = _Model(
             seed=99, odd_bytes=odd_bytes
         )  # other weights: everything must come from the payloads
         assert fresh.flat_bytes() != states[r][7]
         done = rebuild_from_payloads(
-            e.payload.layout, payloads, 7, 0, dict(fresh.named_tensors()),  # type: ignore[union-attr]
+            e.rotation.layout.payload.layout, payloads, 7, 0, dict(fresh.named_tensors()),  # type: ignore[union-attr]
             fresh.optimizer, fresh.named_params(),
         )  # fmt: skip
         assert done["replayed_steps"] == k - 1
@@ -197,7 +197,7 @@ def test_newest_version_rebuilds_bit_exactly_from_slices_and_records(
         # a payload missing from the window: unrecoverable, never wrong
         with pytest.raises(RestoreError, match="missing"):
             rebuild_from_payloads(
-                e.payload.layout, {u: p for u, p in payloads.items() if u != 7 - k + 1}, 7, 0,  # type: ignore[union-attr]
+                e.rotation.layout.payload.layout, {u: p for u, p in payloads.items() if u != 7 - k + 1}, 7, 0,  # type: ignore[union-attr]
                 dict(fresh.named_tensors()), fresh.optimizer, fresh.named_params(),
             )  # fmt: skip
         store.close()
@@ -210,8 +210,10 @@ def test_auto_choosing_full_snapshots_holds_no_gradient_record(tmp_path: Path) -
     engines, models = _build(tmp_path, "auto")
     states = _train(engines, models, 3)
     for r, e in enumerate(engines):
-        assert e._k_reason.startswith("auto, rank")  # chosen by the bubbles, not configured
-        assert e.k == 1 and e.payload is None and e.records is None
+        assert e.rotation.layout.k_reason.startswith(
+            "auto, rank"
+        )  # chosen by the bubbles, not configured
+        assert e.k == 1 and e.rotation.layout.payload is None and e.rotation.records is None
         store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
         inv = store.inventory(verify=True)
         assert inv.committed == 2
@@ -228,8 +230,8 @@ def test_auto_steps_full_every_down_to_fit_the_memory_budget(tmp_path: Path) -> 
     _train(free, [_Model(r) for r in range(WORLD)], 1)
     wanted = free[0].k
     assert wanted > 1 and all(e.k == wanted for e in free)
-    plan_input = free[0]._plan_input
-    assert plan_input is not None
+    assert free[0].rotation.plan_input is not None
+    plan_input = free[0].rotation.plan_input.to_json()
     e = free[0]
     need = {
         k: store_bytes(plan_input, k, e.policy, e.topology, e.redundancy)
@@ -240,7 +242,9 @@ def test_auto_steps_full_every_down_to_fit_the_memory_budget(tmp_path: Path) -> 
     states = _train(engines, models, 4)
     for r, e in enumerate(engines):
         assert e.k == wanted - 1
-        assert f"lowered to full_every={wanted - 1}" in e._k_reason, e._k_reason
+        assert f"lowered to full_every={wanted - 1}" in e.rotation.layout.k_reason, (
+            e.rotation.layout.k_reason
+        )
         store = SnapshotStore(tmp_path / "tight" / "shm", "job", r, r, 1 << 30)
         assert store.num_slots == wanted and store.inventory(verify=True).committed == 3
         store.close()

@@ -17,11 +17,12 @@ from baft.config import CheckpointConfig
 from baft.engine.device import HostCopy, ThreadCopy
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.local_transport import LocalTransport, PeerFailed
-from baft.engine.planning import save_plan_input
+from baft.engine.scheduling import AllAtStart, BubbleAware
 from baft.engine.worker import ProtectWorker
 from baft.pipeline import IterationTimeline
 from baft.plan.inputs import bmap_to_json, layout_to_json
 from baft.plan.types import BubbleMap, Slot, StateLayout
+from baft.store.records import PlanInput
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 
@@ -77,7 +78,12 @@ class _OffThreadCopy(ThreadCopy):
 
 
 def _engines(
-    tmp: Path, redundancy: str, *, spill: Callable[[], ThreadCopy] = ThreadCopy, copy_Bps=2e9
+    tmp: Path,
+    redundancy: str,
+    *,
+    spill: Callable[[], ThreadCopy] = ThreadCopy,
+    copy_Bps=2e9,
+    scheduling: Callable[[], Any] = BubbleAware,
 ) -> tuple[list[CheckpointEngine], list[_State], list[Any]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy={redundancy},persist=0,full_every=1")
@@ -94,6 +100,7 @@ def _engines(
             worker=ProtectWorker(gated=False),
             peers={},
             persister=None,
+            scheduling=scheduling(),
         )
         engines.append(
             CheckpointEngine(
@@ -121,7 +128,7 @@ def _engines(
         "cost": {"copy_Bps": copy_Bps, "net_Bps": 1e9, "encode_Bps": 2e9, "persist_Bps": 1e9},
         "world_size": WORLD,
     }
-    save_plan_input(tmp / "run", plan_input)
+    PlanInput.from_json(plan_input).save(tmp / "run")
     return engines, states, transports
 
 
@@ -192,6 +199,34 @@ def test_versions_commit_with_exact_bytes_and_replicas(tmp_path: Path) -> None:
         store.close()
 
 
+def test_all_at_start_scheduling_commits_the_same_bytes(tmp_path: Path) -> None:
+    """The naive-async baseline is a scheduling strategy: every task starts on the worker
+    at the iteration's start, none at a slot, the training thread joins them before the
+    step; the committed versions hold exactly what bubble-aware scheduling writes."""
+    engines, states, _ = _engines(tmp_path, "replicate:1", scheduling=AllAtStart)
+    threads: set[str] = set()
+    for e in engines:
+        snapshot = e.writer.snapshot
+
+        def record(*args: Any, _snapshot: Any = snapshot, **kwargs: Any) -> None:
+            threads.add(threading.current_thread().name)
+            _snapshot(*args, **kwargs)
+
+        e.writer.snapshot = record  # type: ignore[method-assign]
+    expected = _four_iterations(engines, states)
+    assert threads == {"baft-protect"}  # every task on the worker, none at a slot
+    for r, e in enumerate(engines):
+        store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
+        inv = store.inventory(verify=True)
+        newest = inv.get(3)
+        assert inv.committed == 3 and newest is not None and newest.usable
+        assert bytes(store.read(newest.slot, "data")) == expected[r][3]
+        peer = 1 - r
+        assert bytes(store.read(newest.slot, "red", 0, len(expected[peer][3]))) == expected[peer][3]
+        assert e.last_metrics["bytes"]["snapshot"] == len(expected[r][3])
+        store.close()
+
+
 def test_copies_issued_off_the_training_thread_commit_exact_bytes(tmp_path: Path) -> None:
     """CUDA's path, with a thread copier standing in: the iteration-start copies (what
     fits no bubble: copies at 1 MB/s leave w0 room for a fraction) are issued by the
@@ -200,11 +235,11 @@ def test_copies_issued_off_the_training_thread_commit_exact_bytes(tmp_path: Path
     engines, states, _ = _engines(tmp_path, "replicate:1", spill=_OffThreadCopy, copy_Bps=1e6)
     expected = _four_iterations(engines, states)
     for r, e in enumerate(engines):
-        copier = e.spill_copier
+        copier = e.writer.spill_copier
         assert isinstance(copier, _OffThreadCopy)
         assert copier.marks == 3  # versions 1..3 (iteration 0 profiles)
         assert any(n.startswith("baft-issue") for n in copier.threads)
-        assert e.schedule.by_slot.get("w0")  # some chunks did fit the bubble
+        assert e.writer.schedule.by_slot.get("w0")  # some chunks did fit the bubble
         store = SnapshotStore(tmp_path / "shm", "job", r, r, 1 << 30)
         inv = store.inventory(verify=True)
         assert inv.committed == 3
@@ -228,7 +263,7 @@ def test_a_peer_failing_mid_exchange_fails_the_version(tmp_path: Path) -> None:
     with pytest.raises(PeerFailed):
         _on_ranks(die_or_wait)
     for e in engines:
-        e.worker.shutdown()
+        e.writer.worker.shutdown()
         e.store.close()
 
 
@@ -259,5 +294,5 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path: Pa
     assert stopped_at == [2, 2]
     assert all(e.committed == 1 for e in engines)  # v1 committed by the same vote
     for e in engines:
-        e.worker.shutdown()
+        e.writer.worker.shutdown()
         e.store.close()

@@ -1,0 +1,123 @@
+"""The engine's owners on their own: the rotation's layouts and windows, the persist
+cadence. No processes, no threads, no store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from baft.config import CheckpointConfig
+from baft.engine.differential import RecordCapture
+from baft.engine.flat import FlatState
+from baft.engine.persister import PersistKeys
+from baft.engine.persisting import Persisting
+from baft.engine.rotation import Rotation
+from baft.plan.inputs import bmap_to_json, layout_to_json
+from baft.plan.types import BubbleMap, Slot, StateLayout
+from baft.store.coding import Redundancy
+from baft.store.records import PlanInput
+from baft.topology import Topology
+
+
+def _persisting(every: int, interval: int = 1) -> Persisting:
+    flat = FlatState([("model.w", torch.zeros(4))])
+    return Persisting(
+        object(),  # type: ignore[arg-type]  # a persister: only its presence matters here
+        every=every, interval=interval, keys=PersistKeys(), topology=Topology(1, 1, 1),
+        rank=0, flat=flat, device=torch.device("cpu"), layout_digests={},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("every", "interval", "due"),
+    [(3, 1, [0, 3, 6, 9]), (2, 2, [0, 4, 8]), (1, 3, [0, 3, 6, 9]), (0, 1, [])],
+)
+def test_persist_cadence_counts_checkpoints_from_version_zero(
+    every: int, interval: int, due: list[int]
+) -> None:
+    """One rule for full snapshots, the differential live copy and a restarted process:
+    the ``persist_every``-th checkpoint counted from version 0, so a job restarted at
+    v7 persists the same versions as one that never failed."""
+    assert [v for v in range(11) if _persisting(every, interval).due(v)] == due
+    restarted = _persisting(every, interval)
+    assert [v for v in range(7, 11) if restarted.due(v)] == [v for v in due if v >= 7]
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+
+
+def _rotation(full_every: int) -> tuple[Rotation, PlanInput]:
+    model = _Model()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    named: list[tuple[str, Any]] = [(f"model.{n}", p.data) for n, p in model.named_parameters()]
+    named += [(f"optim.{n}.exp_avg", torch.zeros_like(p)) for n, p in model.named_parameters()]
+    ck = CheckpointConfig.parse(f"redundancy=none,persist=0,full_every={full_every}")
+    topo = Topology(1, 1, 1)
+    flat = FlatState(named)
+    rot = Rotation(
+        ck, rank=0, topology=topo, redundancy=Redundancy.parse("none"), flat=flat, named=named
+    )
+    slots = (Slot("w0", 0.05), Slot("pre_step", 0.001, kind="pre_step"))
+    layout = StateLayout(rank=0, tensors=flat.specs(), replicas=(0,))
+    plan_input = PlanInput(
+        ranks=[
+            {"bubbles": bmap_to_json(BubbleMap(0, slots, 0.2)), "layout": layout_to_json(layout)}
+        ],
+        cost={"copy_Bps": 2e9, "net_Bps": 1e9, "encode_Bps": 2e9, "persist_Bps": 1e9},
+        world_size=1,
+    )
+    params = dict(model.named_parameters())
+    rot.begin(5, None, None, RecordCapture(opt, params) if full_every > 1 else None)
+    return rot, plan_input
+
+
+def test_rotation_hands_out_one_layout_and_windows() -> None:
+    rot, plan_input = _rotation(3)
+    assert rot.plan_iteration == 5 + rot.ck.profile_iters
+    assert rot.adopt(plan_input) is False  # the first plan: no rotation to end
+    lay = rot.layout
+    assert lay is not None and lay.k == 3 and lay.payload is not None
+    assert lay.sizes == (lay.schedule.nbytes, 0, 4) and rot.plan_iteration == -1
+    with pytest.raises(AttributeError):
+        lay.k = 2  # type: ignore[misc]  # immutable: a new plan is a new layout
+    assert list(rot.open_version(8)) == [] and rot.first_version == 8
+    assert list(rot.open_version(9)) == [8] and list(rot.open_version(12)) == [9, 10, 11]
+    meta = rot.diff_meta(12, has_record=True)
+    assert meta is not None and (meta.k, meta.slice, meta.first_version) == (3, 0, 8)
+    assert meta.window(12) == range(10, 13) and meta.window(9) is None
+    # a re-plan keeps k (and the rotation); the input records that it ran
+    assert rot.adopt(plan_input) is False and rot.layout is not lay and rot.k == 3
+    assert rot.first_version == 8
+
+
+def test_full_snapshots_keep_no_record_and_no_window() -> None:
+    rot, plan_input = _rotation(1)
+    rot.adopt(plan_input)
+    assert rot.k == 1 and rot.records is None and rot.layout is not None
+    assert rot.layout.payload is None and rot.layout.num_slots == 2
+    assert list(rot.open_version(4)) == [] and rot.diff_meta(4, has_record=False) is None
+    source, schedule, has_record = rot.source(4)
+    assert source is rot.flat and schedule is rot.layout.schedule and not has_record
+
+
+def test_replan_is_marked_done_on_every_outcome() -> None:
+    rot, plan_input = _rotation(1)
+    rot.adopt(plan_input)
+    assert not [rot.checkpoint_written() for _ in range(2)][-1]
+    assert rot.checkpoint_written()  # the third checkpoint: due
+    assert rot.replan_input([2.1e9]) is None  # within 25% of the assumed rate: kept
+    assert rot.plan_input is not None and rot.plan_input.replanned
+    assert not rot.checkpoint_written()  # once per job
+    rot2, plan_input2 = _rotation(1)
+    rot2.adopt(plan_input2)
+    got = rot2.replan_input([0.5e9, None])
+    assert got is not None
+    trial, reason = got
+    assert trial.cost["copy_Bps"] == 0.5e9 and trial.replanned and "0.50 GB/s" in reason
+    assert plan_input2.cost["copy_Bps"] == 2e9  # the adopted input is not changed under it
