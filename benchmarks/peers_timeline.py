@@ -36,7 +36,7 @@ def worker(cfg_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from baft.bench.overhead import (
+    from baft_bench.overhead import (
         OverheadConfig,
         _build_modes,
         _close,
@@ -161,8 +161,8 @@ def main() -> int:
     if a.worker:
         worker(a.worker)
         return 0
-    from baft.bench.command import _clean, bench_env
-    from baft.bench.overhead import OverheadConfig
+    from baft_bench.command import _clean, bench_env
+    from baft_bench.overhead import OverheadConfig
 
     modes = [m for m in a.modes.split(",") if m]
     bcfg = OverheadConfig(

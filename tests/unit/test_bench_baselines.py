@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from baft.bench.baselines import CheckFreqHooks, TorchSaveHooks, make_baseline, state_nbytes
+from baft_bench.baselines import CheckFreqHooks, TorchSaveHooks, make_baseline, state_nbytes
 from baft.pipeline import IterationTimeline
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import baft.bench.peers as peers
-from baft.bench.aggregate import summarize
-from baft.bench.command import render_markdown
-from baft.bench.overhead import ALL_MODES, OverheadConfig
+import baft_bench.peers as peers
+from baft_bench.aggregate import summarize
+from baft_bench.command import render_markdown
+from baft_bench.overhead import ALL_MODES, OverheadConfig
 from baft.cli.bench import add_bench_parser, config_from_args
 
 

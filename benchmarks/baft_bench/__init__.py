@@ -2,6 +2,6 @@
 memory vs disk, simulated scale, and the checkpointing modes people use today, as
 StepHooks, to compare baft against. The command line lives in ``baft.cli.bench``.
 
-Nothing is imported eagerly, so ``python -m baft.bench.overhead`` (the worker) loads only
+Nothing is imported eagerly, so ``python -m baft_bench.overhead`` (the worker) loads only
 what it needs.
 """

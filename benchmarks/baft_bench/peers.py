@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from baft.bench.baselines import _BaselineHooks, state_nbytes
-from baft.bench.modes import PEER_MODES
+from baft_bench.baselines import _BaselineHooks, state_nbytes
+from baft_bench.modes import PEER_MODES
 from baft.pipeline import IterationTimeline
 from baft.train.trainer import Trainer
 

@@ -121,12 +121,12 @@ def run_recovery(a: Any) -> int:
 
 def _peer_rows(a: Any) -> list[dict[str, Any]]:
     """lm-resiliency's restore after the same rank crash, when the peers extra is
-    installed (see :mod:`baft.bench.peer_recovery`)."""
-    from baft.bench.peers import missing_peers
+    installed (see :mod:`baft_bench.peer_recovery`)."""
+    from baft_bench.peers import missing_peers
 
     if missing_peers(["lm-resiliency"]):
         return []
-    from baft.bench.peer_recovery import run_lm_recovery
+    from baft_bench.peer_recovery import run_lm_recovery
 
     out = Path(a.out) / "lm-resiliency"
     return [run_lm_recovery(out, layers=a.layers, d_model=a.d_model, iterations=a.iterations, verbose=a.verbose)]  # fmt: skip
