@@ -33,4 +33,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix baft tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info benchmarks/build benchmarks/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -68,7 +68,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add("--block-iters", type=int, default=d.block_iters, help="iterations per block (default %(default)s)")  # fmt: skip
     add("--switch-iters", type=int, default=d.num_switch_iters, help="unmeasured iterations after each switch (default %(default)s)")  # fmt: skip
     add("--warmup", type=int, default=d.num_warmup, help="unmeasured iterations at the start and per mode (default %(default)s)")  # fmt: skip
-    add("--modes", default=None, help="comma-separated modes (default: all; lm-resiliency and dlrover-flash need pip install -e '.[peers]' and are left out when missing)")  # fmt: skip
+    add("--modes", default=None, help="comma-separated modes (default: all; lm-resiliency and dlrover-flash need pip install -e 'benchmarks[peers]' and are left out when missing)")  # fmt: skip
     add("--compute", choices=("real", "emulated"), default=d.compute, help="stage compute (default %(default)s)")  # fmt: skip
     add("--emulated-ms", default="", metavar="F/B,...", help="fixed emulated forward/backward ms per stage, e.g. 15.7/29.4,15.2/28.4 (default: calibrate at start-up)")  # fmt: skip
     add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip

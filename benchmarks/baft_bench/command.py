@@ -4,7 +4,7 @@
 summarizes its raw results; ``write_results`` writes
 ``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG and the raw
 samples next to it. The flags, the table and the JSON on stdout live in
-``baft.cli.bench``.
+:mod:`baft_bench.cli`.
 """
 
 from __future__ import annotations

@@ -279,9 +279,9 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
             out_dir=bcfg.out_dir,
             ranks_per_node=bcfg.ranks_per_node,
         )
-    from baft_bench.naive import NaiveAsyncEngine
     from baft.engine.build import build_engine
     from baft.engine.engine import CheckpointEngine
+    from baft_bench.naive import NaiveAsyncEngine
 
     run_dir = Path(bcfg.out_dir) / f"engine-{mode}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -419,9 +419,9 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from baft_bench.baselines import state_nbytes
     from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
+    from baft_bench.baselines import state_nbytes
 
     torch.set_num_threads(1)
     cfg = bcfg.train_config()

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from baft_bench.aggregate import summarize, summarize_mode
+from baft_bench.cli import add_bench_parser, command_line, config_from_args, run_bench
 from baft_bench.command import render_markdown
 from baft_bench.overhead import OverheadConfig
-from baft.cli.bench import add_bench_parser, command_line, config_from_args, run_bench
 
 
 def _samples(iter_s: list[list[float]], **other: list[list[float]]) -> dict[str, Any]:
@@ -218,8 +218,8 @@ def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
 
 
 def test_bench_components_match_the_engine() -> None:
-    from baft_bench.aggregate import COMPONENTS
     from baft.engine.engine import COMPONENTS as ENGINE_COMPONENTS
+    from baft_bench.aggregate import COMPONENTS
 
     assert COMPONENTS == ENGINE_COMPONENTS
 
