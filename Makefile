@@ -6,9 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-all check lint format clean
 
-$(STAMP): pyproject.toml
+# baft, and next to it the measurement harness (benchmarks/: package baft_bench behind
+# `baft bench`) with the peer libraries it compares against
+$(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[dev,peers]'
+	$(BIN)/pip install --quiet -e '.[dev]' -e 'benchmarks[peers]'
 	$(BIN)/python tools/drop_broken_entry_points.py
 	touch $(STAMP)
 
@@ -18,7 +20,7 @@ demo: $(STAMP)
 check: $(STAMP)
 	$(BIN)/ruff check baft tests benchmarks examples
 	$(BIN)/ruff format --check baft tests benchmarks examples
-	$(BIN)/mypy baft
+	$(BIN)/mypy baft benchmarks/baft_bench
 
 test: check
 	$(BIN)/pytest -q
@@ -31,4 +33,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix baft tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info benchmarks/build benchmarks/*.egg-info .pytest_cache .mypy_cache .ruff_cache

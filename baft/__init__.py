@@ -1,7 +1,7 @@
 """baft: bubble-aware fault tolerance for hybrid-parallel PyTorch training.
 
 ``baft.protect`` wraps your own pipeline schedule, stages and optimizer; ``baft`` on the
-command line trains, demonstrates, plans, simulates, benchmarks, inspects and traces.
+command line trains, demonstrates, plans, simulates, measures, inspects and traces.
 """
 
 from __future__ import annotations

@@ -115,19 +115,16 @@ class Protected:
         runner: StepRunner,
         mesh: Mesh,
         run_dir: str,
-        checkpoint: CheckpointConfig | None,
+        checkpoint: CheckpointConfig,
         watchdog: Watchdog | NoWatchdog | None = None,
-        engine_cls: Any = None,
     ) -> None:
         self.runner = runner
         self.mesh = mesh
         self.run_dir = Path(run_dir)
         self.checkpoint = checkpoint
-        """None: the same loop without checkpoints (a baseline)."""
         self.watchdog = watchdog or NoWatchdog()
         """Heartbeat and hang detection (see :mod:`baft.liveness.watchdog`)."""
         self.engine: Any = None
-        self._engine_cls = engine_cls
         self._t_launch = T_IMPORT  # about the process start: the restart phase ends here
         self._t_ready = time.time()
         """Process group up and model built (the rendezvous phase ends here)."""
@@ -176,18 +173,13 @@ class Protected:
         self._restored = True
         self.runner.before_restore = None
         self.runner.paused = True  # a restore may replay optimizer steps: no hooks then
-        resume = 0
-        if self.checkpoint is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with self.watchdog.section("restore"):
-                kwargs = {"engine_cls": self._engine_cls} if self._engine_cls else {}
-                self.engine = build_engine(
-                    self.checkpoint, self.run_dir, self.mesh, self.runner, **kwargs
-                )
-                resume, self._report = recover_and_start(
-                    self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
-                )
-            self._started = True  # a failed restore never ends the job (close keeps stores)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.watchdog.section("restore"):
+            self.engine = build_engine(self.checkpoint, self.run_dir, self.mesh, self.runner)
+            resume, self._report = recover_and_start(
+                self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
+            )
+        self._started = True  # a failed restore never ends the job (close keeps stores)
         self.runner.iteration = resume
         # The restored state holds the first process's shape-inference side effects.
         self.runner.protected.undo_inference = resume > 0
@@ -196,7 +188,7 @@ class Protected:
         # the restored state itself; on a fresh job: whatever the script set up).
         self.runner.state.check_live()  # e.g. optimizer.load_state_dict after protect()
         self.runner.state.capture()
-        if self.checkpoint is not None and self.mesh.topology.num_dp > 1:
+        if self.mesh.topology.num_dp > 1:
             self._check_replicas_share_small_state()
         return resume
 
@@ -278,9 +270,6 @@ def protect(
     state: Mapping[str, Stateful] | None = None,
     average_gradients: bool | None = None,
     extra_capacity_bytes: int | Mapping[str, int] = DEFAULT_EXTRA_CAPACITY,
-    checkpointing: bool = True,
-    instrument: bool = True,
-    engine_cls: Any = None,
 ) -> Protected:
     """Protect the loop over a schedule, its stages (on this rank) and their optimizer.
 
@@ -302,19 +291,13 @@ def protect(
     ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
     the pipeline is bounded by ``checkpoint.timeout_s`` from here on, and a watchdog
     ends this process when a peer freezes (see :mod:`baft.liveness.watchdog`).
-
-    For baselines: ``checkpointing=False`` runs the same loop without checkpoints,
-    ``instrument=False`` the bare torch schedule (no slots, implies no checkpoints), and
-    ``engine_cls`` swaps the engine's scheduling (benchmarks' naive-async).
     """
     check_optimizer(optimizer)
     mesh = _mesh_from(device_mesh, ranks_per_node)
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
     ck.job_id = ck.job_id or default_job_id(run_dir)
     ck.persist_dir = ck.persist_dir or str(Path(run_dir) / "checkpoints")
-    enabled = checkpointing and instrument
-    if enabled:  # a baseline without checkpoints has no policy to check
-        ck.validate(mesh.topology)
+    ck.validate(mesh.topology)
     modules = [s.submod for s in stages]
     check_no_sharded_replicas(modules, optimizer, dist.get_process_group_ranks(mesh.dp_group))
     runner = StepRunner(
@@ -325,7 +308,6 @@ def protect(
         optimizer=optimizer,
         num_dp=mesh.topology.num_dp,
         num_tp=mesh.topology.num_tp,
-        instrument=instrument,
         state=state,
         extra_capacity_bytes=extra_capacity_bytes,
         average_gradients=average_gradients,
@@ -336,6 +318,6 @@ def protect(
         runner.close()  # the schedule and optimizer are the user's again
         raise
     watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
-    protected = Protected(runner, mesh, run_dir, ck if enabled else None, watchdog, engine_cls)
+    protected = Protected(runner, mesh, run_dir, ck, watchdog)
     protected.own_mesh = mesh.mesh if device_mesh is None else None
     return protected

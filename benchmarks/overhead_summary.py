@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from baft.bench.aggregate import summarize
+from baft_bench.aggregate import summarize
 
 MODES = ("naive-async", "baft-full", "baft")
 

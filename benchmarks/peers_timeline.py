@@ -12,7 +12,7 @@ mode. Every mode's main-thread checkpoint work is an event in the iteration's ti
 lm-resiliency's replication) show only as longer compute and waits. Writes
 ``benchmarks/results/peers-timeline-<compute>-<date>.png`` (the last two recorded
 iterations of each mode, one panel per mode) and prints per-mode medians.
-Needs the peers extra (``pip install -e '.[peers]'``) for the peer modes; ``--modes`` picks
+Needs the peers extra (``pip install -e 'benchmarks[peers]'``) for the peer modes; ``--modes`` picks
 others (any ``baft bench overhead`` mode) and ``--name`` the PNG's prefix
 (``<name>-timeline-<compute>-<date>.png``).
 """
@@ -36,16 +36,16 @@ def worker(cfg_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from baft.bench.overhead import (
+    from baft.pipeline.mesh import init_mesh
+    from baft.train.trainer import Trainer
+    from baft.train.worker import process_main
+    from baft_bench.overhead import (
         OverheadConfig,
         _build_modes,
         _close,
         _switch,
         calibrate_emulated,
     )
-    from baft.pipeline.mesh import init_mesh
-    from baft.train.trainer import Trainer
-    from baft.train.worker import process_main
 
     spec = json.loads(Path(cfg_path).read_text())
     bcfg = OverheadConfig.from_dict(spec["bench"])
@@ -161,8 +161,8 @@ def main() -> int:
     if a.worker:
         worker(a.worker)
         return 0
-    from baft.bench.command import _clean, bench_env
-    from baft.bench.overhead import OverheadConfig
+    from baft_bench.command import _clean, bench_env
+    from baft_bench.overhead import OverheadConfig
 
     modes = [m for m in a.modes.split(",") if m]
     bcfg = OverheadConfig(

@@ -3,7 +3,8 @@
 All argument parsing lives in this package, one module per command; each registers its
 subcommand (``add_*_parser``), turns the flags into the typed arguments of the domain
 code it calls and prints the result. Domain packages take plain arguments and do not
-print (``demo`` and ``bench``, at the top of the layering, may).
+print (``demo``, at the top of the layering, may). ``bench`` is registered here and
+parsed by the measurement harness, a package outside baft (see :mod:`baft.cli.bench`).
 """
 
 from __future__ import annotations

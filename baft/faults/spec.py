@@ -1,6 +1,6 @@
 """Pure fault specifications: parse ``KIND[:ARGS]`` text, say whom, where and when a fault hits.
 
-One grammar serves tests, the demo, benchmarks and ``baft train --inject SPEC``. A
+One grammar serves tests, the demo, the measurement harness and ``baft train --inject SPEC``. A
 :class:`FaultSpec` is plain data; :meth:`FaultSpec.targets` and :meth:`FaultSpec.matches`
 decide, as pure functions of a rank, the topology, a point and an iteration, whether the
 fault fires there. :class:`FaultRecord` is one line of ``faults.jsonl`` (a fault that fired).

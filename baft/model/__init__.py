@@ -1,4 +1,4 @@
-"""Reference GPT decoder used by the demo, tests and benchmarks."""
+"""Reference GPT decoder used by the demo, the tests and the measurement harness."""
 
 from baft.model.gpt import GPTStage, build_stage_module, init_parameters, loss_fn, split_layers
 

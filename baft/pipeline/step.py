@@ -159,8 +159,6 @@ class StepRunner:
         self._losses: list[torch.Tensor] = []
         self._averaged = False
         self._t_opt = 0.0
-        self._direct = False
-        """Inside :meth:`run_step` (benchmarks drive the bare runner, with no restore)."""
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -216,7 +214,7 @@ class StepRunner:
 
     def _schedule_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``schedule.step(...)``: the same call, with its waits as slots."""
-        if self.before_restore is not None and not self._direct:
+        if self.before_restore is not None:
             self.before_restore()
         if self.paused:
             return self.protected.raw_step(*args, **kwargs)
@@ -244,7 +242,7 @@ class StepRunner:
         self._averaged = True
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.before_restore is not None and not self._direct:
+        if self.before_restore is not None:
             self.before_restore()
         if self.paused:
             return
@@ -315,17 +313,13 @@ class StepRunner:
                 "optimizer.step)"
             )
         self.iteration = iteration
-        self._direct = True
-        try:
-            self.optimizer.zero_grad(set_to_none=True)
-            tl = self._begin()
-            with self.section(f"iteration {iteration}"):
-                self.protected.step(tl, inputs, target, self._losses)
-            if self.num_dp > 1 and self.average is not False:
-                self.average_gradients()
-            self.optimizer.step()
-        finally:
-            self._direct = False
+        self.optimizer.zero_grad(set_to_none=True)
+        tl = self._begin()
+        with self.section(f"iteration {iteration}"):
+            self.protected.step(tl, inputs, target, self._losses)
+        if self.num_dp > 1 and self.average is not False:
+            self.average_gradients()
+        self.optimizer.step()
         assert self.last_step is not None and self.last_step.iteration == iteration
         return self.last_step
 
@@ -346,7 +340,7 @@ class StepRunner:
     def named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The live parameters (``model.<fqn>``) and optimizer state (``optim.<fqn>.<key>``)
         of this rank, canonical order, DTensors as their local shard. Read from the live
-        objects (a benchmark's peer library may replace optimizer state tensors); what
+        objects (another checkpointing library may replace optimizer state tensors); what
         baft checkpoints, buffers and small state included, is ``self.state.tensors()``."""
         fqn_of = {}
         for m in self.modules:

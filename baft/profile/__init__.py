@@ -1,7 +1,7 @@
 """Profiling: trainer timelines -> BubbleMap, Perfetto/PNG trace export, cost calibration.
 
 Modules: ``timeline`` (records, reader), ``bubbles`` (pure BubbleMap extraction),
-``trace`` (Perfetto JSON, PNG, ``baft trace``), ``calibrate`` (cost-model benchmark).
+``trace`` (Perfetto JSON, PNG, ``baft trace``), ``calibrate`` (cost-model measurement).
 Only ``timeline`` is imported eagerly; the rest load on first use.
 """
 

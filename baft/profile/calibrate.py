@@ -1,4 +1,4 @@
-"""Start-up micro-benchmark: measure this machine's checkpoint cost model in ~1-3 s.
+"""Start-up measurement: time this machine's checkpoint cost model in ~1-3 s.
 
 ``measure_cost_model()`` returns bytes per second for the checkpoint primitives the
 planner schedules (snapshot copy into pre-faulted shared memory, XOR parity encoding,

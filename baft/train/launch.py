@@ -35,10 +35,18 @@ AGENT_GRACE_S = 30.0
 """How long torchrun waits for its workers after passing a signal on, before SIGKILL."""
 
 
-def torchrun_command(cfg_path: Path, nproc: int, max_restarts: int = 0) -> list[str]:
+WORKER = "baft.train.worker"
+"""The module torchrun runs on every rank: ``python -m WORKER CONFIG_JSON``."""
+
+
+def torchrun_command(
+    cfg_path: Path, nproc: int, max_restarts: int = 0, worker: str = WORKER
+) -> list[str]:
     """torchrun for the workers of ``cfg_path``'s run. Worker output goes to
     ``RUN_DIR/logs/`` (a crashed rank's peers' stack traces stay off the console); stdout
-    is also shown (rank 0's progress and its one line per plan, failure and recovery)."""
+    is also shown (rank 0's progress and its one line per plan, failure and recovery).
+    ``worker``: another entry module taking the same argument (one that wraps
+    :func:`baft.train.worker.main`)."""
     return [
         sys.executable,
         "-m",
@@ -51,7 +59,7 @@ def torchrun_command(cfg_path: Path, nproc: int, max_restarts: int = 0) -> list[
         "--redirects=3",
         "--tee=1",
         "-m",
-        "baft.train.worker",
+        worker,
         str(cfg_path),
     ]
 
@@ -106,15 +114,21 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
 
 
 def launch(
-    cfg: TrainConfig, *, max_restarts: int | None = None, quiet: bool = False, resume: bool = False
+    cfg: TrainConfig,
+    *,
+    max_restarts: int | None = None,
+    quiet: bool = False,
+    resume: bool = False,
+    worker: str = WORKER,
 ) -> int:
     """Run the job to completion; returns torchrun's exit code. ``resume``: continue the
-    run directory's job instead of starting a new one."""
+    run directory's job instead of starting a new one. ``worker``: the entry module of
+    every rank (see :func:`torchrun_command`)."""
     cfg.validate()
     cfg_path = prepare_run_dir(cfg, resume=resume)
     if max_restarts is None:
         max_restarts = cfg.checkpoint.max_restarts if cfg.checkpoint else 0
-    cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts)
+    cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts, worker)
     stdout = subprocess.DEVNULL if quiet else None
     ck = cfg.checkpoint
     flush_s = ck.flush_timeout_s if ck is not None else 0.0

@@ -3,7 +3,9 @@
 :class:`Trainer` builds what a user's script would build (stage modules, pipeline stages,
 the schedule, the optimizer) from a :class:`~baft.config.TrainConfig`, and the bundled
 byte-level data; the training step itself is the library's
-:class:`~baft.pipeline.step.StepRunner` behind ``baft.protect``, the door users take.
+:class:`~baft.pipeline.step.StepRunner` behind ``baft.protect``, the door users take. A
+run without checkpoints (no ``checkpoint``, or ``instrument`` off: the bare torch
+schedule) drives the runner itself: no engine, nothing to restore.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from baft.api import Protected, protect
-from baft.config import TrainConfig
+from baft.config import CheckpointConfig, TrainConfig
+from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.model.gpt import TP_PLAN_COLWISE, TP_PLAN_ROWWISE, build_stage_module, loss_fn
 from baft.pipeline import build_schedule, stage_indices
 from baft.pipeline.mesh import Mesh
@@ -33,7 +36,8 @@ __all__ = ["StepResult", "Trainer"]
 
 class Trainer:
     """One rank's share of the reference model, built from a config, its data, and the
-    protected step: the model goes through ``baft.protect`` like any user's script."""
+    protected step: the model goes through ``baft.protect`` like any user's script (when
+    the run checkpoints)."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh) -> None:
         self.cfg = cfg
@@ -56,19 +60,61 @@ class Trainer:
         ck = cfg.checkpoint
         if ck is not None and cfg.compute == "emulated":
             ck.snapshot_copy = "thread"  # the host is free while the emulated device computes
-        self.ft: Protected = protect(
-            schedule=self.schedule,
+        self.ft: Protected | None = None
+        """The protected loop; None when the run has no checkpoints."""
+        self._watchdog: Watchdog | NoWatchdog = NoWatchdog()
+        """The watchdog of a run without checkpoints (``ft`` has its own)."""
+        if ck is not None and cfg.instrument:
+            self.ft = protect(
+                schedule=self.schedule,
+                stages=self.stages,
+                optimizer=self.optimizer,
+                run_dir=cfg.out_dir,
+                device_mesh=mesh.mesh,
+                checkpoint=ck,
+                ranks_per_node=par.ranks_per_node,
+            )
+            self.runner: StepRunner = self.ft.runner
+            """The library's step runner (its ``hooks`` may be swapped: see ``hooks``)."""
+        else:
+            self.runner = self._bare_runner((ck or CheckpointConfig()).timeout_s)
+
+    def _bare_runner(self, timeout_s: float) -> StepRunner:
+        """The step runner without an engine: the same loop with no checkpoints (with
+        ``instrument`` off, the bare torch schedule), waits bounded and watched as in
+        ``baft.protect``."""
+        runner = StepRunner(
+            mesh=self.mesh,
+            modules=self.modules,
             stages=self.stages,
+            schedule=self.schedule,
             optimizer=self.optimizer,
-            run_dir=cfg.out_dir,
-            device_mesh=mesh.mesh,
-            checkpoint=ck,
-            ranks_per_node=par.ranks_per_node,
-            checkpointing=ck is not None,
-            instrument=cfg.instrument,
+            num_dp=self.cfg.parallel.num_dp,
+            num_tp=self.cfg.parallel.num_tp,
+            instrument=self.cfg.instrument,
         )
-        self.runner: StepRunner = self.ft.runner
-        """The library's step runner (benchmarks switch its hooks between modes)."""
+        self._watchdog = start_watchdog(self.mesh, runner, timeout_s, self.cfg.out_dir)
+        runner.section = self._watchdog.section
+        return runner
+
+    def restore(self) -> int:
+        """The iteration to start from: the protected loop's restore (collective), 0 for
+        a run without checkpoints."""
+        return self.ft.restore() if self.ft is not None else 0
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Checkpoint metrics of the last iteration (empty without checkpoints)."""
+        return self.ft.metrics if self.ft is not None else {}
+
+    def close(self) -> None:
+        """End the run: the protected loop's close (collective), or give the schedule and
+        optimizer back and stop the watchdog."""
+        if self.ft is not None:
+            self.ft.close()
+            return
+        self.runner.close()
+        self._watchdog.stop()
 
     def _build_module(self, stage: int) -> nn.Module:
         par = self.cfg.parallel
@@ -92,16 +138,20 @@ class Trainer:
         return x.to(self.mesh.device), y.to(self.mesh.device)
 
     def train_step(self, iteration: int) -> StepResult:
-        """Iteration ``iteration`` through the public door (``Protected.step``)."""
+        """Iteration ``iteration`` through the public door (``Protected.step``), or on the
+        runner of a run without checkpoints."""
+        if self.ft is None:
+            return self.run_step(iteration)
         self.ft.step(iteration, *self.batch(iteration))
         assert self.ft.last_step is not None
         return self.ft.last_step
 
     def run_step(self, iteration: int) -> StepResult:
-        """Iteration ``iteration`` on the bare runner with whatever hooks a benchmark set."""
+        """Iteration ``iteration`` on the runner with whatever ``hooks`` are set (a
+        protected runner only once restored)."""
         return self.runner.run_step(iteration, *self.batch(iteration))
 
-    # what benchmarks and tests read of the runner
+    # what measurement harnesses and tests read of the runner
     @property
     def hooks(self) -> Any:
         return self.runner.hooks

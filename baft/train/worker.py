@@ -82,11 +82,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     timeout_s = cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0
     mesh = init_mesh(cfg.parallel, timeout_s=timeout_s)
     trainer = Trainer(cfg, mesh)  # builds the model and protects it through baft.protect
-    ft = trainer.ft
     out = Path(cfg.out_dir)
     (out / "timeline").mkdir(parents=True, exist_ok=True)
     is_main = mesh.rank == 0
-    resume = ft.restore()
+    resume = trainer.restore()
     losses = _truncate_metrics(out / "metrics.jsonl", resume) if is_main else []
     timeline_file = open(out / "timeline" / f"rank{mesh.rank}.jsonl", "a")  # noqa: SIM115
     metrics_file = open(out / "metrics.jsonl", "a") if is_main else None  # noqa: SIM115
@@ -98,16 +97,16 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             m = _gather_metrics(trainer, res)
             timeline_file.write(json.dumps(res.timeline.to_json()) + "\n")
             timeline_file.flush()
-            m.update(ft.metrics)
+            m.update(trainer.metrics)
             losses.append(m["loss"])
             if metrics_file is not None:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
             progress.update(it + 1, m["loss"], m["iter_s"])
         # the final digest exchange is a collective too: keep it under the watchdog
-        # (ft.close() stops it), so a rank that stops here is still detected and killed
+        # (trainer.close() stops it), so a rank that stops here is still detected and killed
         rank_digests = trainer.rank_digests()
-        ft.close()
+        trainer.close()
         digest = combine_digests(rank_digests)
     finally:
         progress.close()
@@ -153,8 +152,8 @@ def _show_baft_log() -> None:
 
 
 def process_main(body: Callable[[], object]) -> int:
-    """One rank's process under torchrun (training and benchmark workers): tracebacks on
-    a fault (and after ``$BAFT_HANG_DUMP_S`` seconds, for hangs), ``body()``, then leave
+    """One rank's process under torchrun (the training worker, and others built like it):
+    tracebacks on a fault (and after ``$BAFT_HANG_DUMP_S`` seconds, for hangs), ``body()``, then leave
     through a barrier and tear the process group down."""
     faulthandler.enable()
     _show_baft_log()
@@ -176,7 +175,7 @@ def _exit_without_finalizing() -> None:
     There, C++ objects of torch and gloo are destroyed in no fixed order, and a rank that
     had finished every iteration sometimes aborted ("terminate called without an active
     exception", SIGABRT: seen once in a hang test's restarted attempt and once at the end
-    of a bench launch); torchrun then restarts the whole group for a job that was done.
+    of a measurement launch); torchrun then restarts the whole group for a job that was done.
     Everything of the run is written and closed by now; logging and stdio are flushed
     here. A live child process (a peer library's saver) keeps the normal exit, which
     joins it."""

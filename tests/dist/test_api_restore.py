@@ -264,9 +264,13 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
         stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).square().mean()
     )
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    def memory_only(job: str) -> baft.CheckpointConfig:  # no parity, no DCP: cheap
+        policy = baft.CheckpointPolicy(redundancy="none", persist_every=0)
+        return baft.CheckpointConfig(policy=policy, store_root=str(Path(root) / "shm"), job_id=job)
+
     ft = baft.protect(
-        schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp"),
-        device_mesh=mesh, ranks_per_node=1, checkpointing=False,
+        schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp-avg"),
+        device_mesh=mesh, ranks_per_node=1, checkpoint=memory_only("dp-avg"),
     )  # fmt: skip
     ft.restore()
     g = torch.Generator().manual_seed(rank)  # each replica its own data
@@ -284,8 +288,9 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     ft.close()
     # average_gradients=True: averaged in the step pre-hook, the loop unchanged
     ft = baft.protect(
-        schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp"),
-        device_mesh=mesh, ranks_per_node=1, checkpointing=False, average_gradients=True,
+        schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp-auto"),
+        device_mesh=mesh, ranks_per_node=1, checkpoint=memory_only("dp-auto"),
+        average_gradients=True,
     )  # fmt: skip
     ft.restore()
     opt.zero_grad()

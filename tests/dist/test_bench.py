@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from baft.cli.bench import add_bench_parser, run_bench
+from baft_bench.cli import add_bench_parser, run_bench
 from baft.config import ModelConfig
 from baft.model.gpt import build_stage_module
 

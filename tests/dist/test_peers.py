@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from baft.bench.peers import INSTALL_HINT, PEER_MODES, SHM_DIR, SOCKET_DIR, missing_peers
+from baft_bench.peers import INSTALL_HINT, PEER_MODES, SHM_DIR, SOCKET_DIR, missing_peers
 
 pytestmark = [
     pytest.mark.timeout(150),
@@ -68,7 +68,7 @@ def _record_saver(hooks: Any, root: str) -> None:
 
 def _snapshot_restore(trainer: Any, root: str, mode: str) -> dict[str, Any]:
     """Snapshot after one step with ``mode``, move on one step, restore; what happened."""
-    from baft.bench.peers import make_peer
+    from baft_bench.peers import make_peer
 
     out_dir = str(Path(root) / mode)
     hooks = make_peer(mode, trainer, Path(out_dir) / "ckpt", out_dir=out_dir, ranks_per_node=1)
@@ -115,7 +115,7 @@ def _dlrover_crash(rank: int, world: int, root: str) -> None:
     and a SIGKILL: no close, no atexit, what a crash leaves."""
     import torch.distributed as dist
 
-    from baft.bench.peers import make_peer
+    from baft_bench.peers import make_peer
 
     trainer = _trainer(rank, world, root)
     crashed = str(Path(root) / "crashed")
@@ -130,9 +130,9 @@ def _dlrover_crash(rank: int, world: int, root: str) -> None:
 
 
 def test_peer_adapters_snapshot_restore_and_crash_cleanup(gloo: Any, tmp_path: Path) -> None:
-    from baft.bench.command import _clean
-    from baft.bench.overhead import OverheadConfig
-    from baft.bench.peers import dlrover_run_id
+    from baft_bench.command import _clean
+    from baft_bench.overhead import OverheadConfig
+    from baft_bench.peers import dlrover_run_id
 
     crashed = tmp_path / "crashed"
     run_id = dlrover_run_id(str(crashed))

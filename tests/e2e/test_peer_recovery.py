@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from baft.bench.peers import INSTALL_HINT, missing_peers
+from baft_bench.peers import INSTALL_HINT, missing_peers
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ from baft.bench.peers import INSTALL_HINT, missing_peers
     bool(missing_peers(["lm-resiliency"])), reason=f"lm-resiliency not installed ({INSTALL_HINT})"
 )
 def test_lm_resiliency_restores_a_crashed_rank_from_its_peer(tmp_path: Path) -> None:
-    from baft.bench.peer_recovery import run_lm_recovery
+    from baft_bench.peer_recovery import run_lm_recovery
 
     row = run_lm_recovery(tmp_path / "run", layers=2, d_model=64, iterations=9)
     run = tmp_path / "run"

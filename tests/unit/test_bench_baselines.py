@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from baft.bench.baselines import CheckFreqHooks, TorchSaveHooks, make_baseline, state_nbytes
 from baft.pipeline import IterationTimeline
+from baft_bench.baselines import CheckFreqHooks, TorchSaveHooks, make_baseline, state_nbytes
 
 
 class FakeTrainer:

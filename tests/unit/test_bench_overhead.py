@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from baft.bench.aggregate import summarize, summarize_mode
-from baft.bench.command import render_markdown
-from baft.bench.overhead import OverheadConfig
-from baft.cli.bench import add_bench_parser, command_line, config_from_args, run_bench
+from baft_bench.aggregate import summarize, summarize_mode
+from baft_bench.cli import add_bench_parser, command_line, config_from_args, run_bench
+from baft_bench.command import render_markdown
+from baft_bench.overhead import OverheadConfig
 
 
 def _samples(iter_s: list[list[float]], **other: list[list[float]]) -> dict[str, Any]:
@@ -168,8 +168,8 @@ def test_bad_flags_raise_value_error_with_the_fix(flags: list[str], message: str
 
 
 def test_recovery_and_scale_register_their_own_commands() -> None:
-    from baft.bench.recovery import run_recovery
-    from baft.bench.scale import run_scale
+    from baft_bench.recovery import run_recovery
+    from baft_bench.scale import run_scale
 
     assert _parse("recovery").func is run_recovery
     assert _parse("scale", "--json").func is run_scale
@@ -188,7 +188,7 @@ def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
 
 def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
     """Per rank: blocked time, CPU over `none`, component seconds and bytes per path."""
-    from baft.bench.aggregate import COMPONENTS
+    from baft_bench.aggregate import COMPONENTS
 
     raw = _raw()
     iters = 3
@@ -218,8 +218,8 @@ def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
 
 
 def test_bench_components_match_the_engine() -> None:
-    from baft.bench.aggregate import COMPONENTS
     from baft.engine.engine import COMPONENTS as ENGINE_COMPONENTS
+    from baft_bench.aggregate import COMPONENTS
 
     assert COMPONENTS == ENGINE_COMPONENTS
 
@@ -239,7 +239,7 @@ def test_fixed_emulated_times_parse_and_reject_bad_input() -> None:
 def test_block_order_balances_which_mode_follows_which(n: int) -> None:
     from collections import Counter
 
-    from baft.bench.aggregate import block_order
+    from baft_bench.aggregate import block_order
 
     modes = [f"m{i}" for i in range(n)]
     rounds = [block_order(modes, b) for b in range(n if n % 2 == 0 else 2 * n)]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import baft.bench.peers as peers
-from baft.bench.aggregate import summarize
-from baft.bench.command import render_markdown
-from baft.bench.overhead import ALL_MODES, OverheadConfig
-from baft.cli.bench import add_bench_parser, config_from_args
+import baft_bench.peers as peers
+from baft_bench.aggregate import summarize
+from baft_bench.cli import add_bench_parser, config_from_args
+from baft_bench.command import render_markdown
+from baft_bench.overhead import ALL_MODES, OverheadConfig
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -30,7 +30,7 @@ def test_named_missing_peer_fails_with_the_install_command(no_dlrover: None) -> 
     with pytest.raises(ValueError) as err:
         config_from_args(_parse("--modes", "none,lm-resiliency,dlrover-flash"))
     assert str(err.value) == (
-        "--modes names dlrover-flash, not installed: pip install -e '.[peers]'"
+        "--modes names dlrover-flash, not installed: pip install -e 'benchmarks[peers]'"
     )
 
 
@@ -41,7 +41,7 @@ def test_default_modes_leave_a_missing_peer_out(
     cfg = config_from_args(a)
     assert cfg.modes == [m for m in ALL_MODES if m != "dlrover-flash"]
     assert a.modes == ",".join(cfg.modes)  # the page's command shows what ran
-    assert "leaving out dlrover-flash (not installed: pip install -e '.[peers]')" in (
+    assert "leaving out dlrover-flash (not installed: pip install -e 'benchmarks[peers]')" in (
         capsys.readouterr().err
     )
 

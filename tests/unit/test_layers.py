@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "baft"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
-    ("bench", "demo"),
+    ("demo",),
     ("train",),
     ("<face>",),
     ("api",),

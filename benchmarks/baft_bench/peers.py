@@ -23,7 +23,7 @@
   adapter on close, the launcher before and after every run, so a crashed bench leaves
   nothing behind).
 
-Both are optional (``pip install -e '.[peers]'``); :func:`missing_peers` says which
+Both are optional (``pip install -e 'benchmarks[peers]'``); :func:`missing_peers` says which
 cannot be imported, and the CLI refuses a mode whose library is missing.
 """
 
@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from baft.bench.baselines import _BaselineHooks, state_nbytes
-from baft.bench.modes import PEER_MODES
 from baft.pipeline import IterationTimeline
 from baft.train.trainer import Trainer
+from baft_bench.baselines import _BaselineHooks, state_nbytes
+from baft_bench.modes import PEER_MODES
 
 __all__ = [
     "INSTALL_HINT",
@@ -62,7 +62,7 @@ __all__ = [
 
 log = logging.getLogger("baft")
 
-INSTALL_HINT = "pip install -e '.[peers]'"
+INSTALL_HINT = "pip install -e 'benchmarks[peers]'"
 """How to install the peer libraries (pinned versions) into baft's environment."""
 _IMPORTS = {"lm-resiliency": ("lm_resiliency",), "dlrover-flash": ("dlrover", "grpc")}
 """Top-level modules each peer mode needs (DLRover imports grpc without declaring it)."""

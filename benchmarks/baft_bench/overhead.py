@@ -1,14 +1,14 @@
 """Side-by-side checkpoint overhead: the benchmark worker and its configuration.
 
-One torchrun launch runs ``python -m baft.bench.overhead CONFIG_JSON`` on every rank. Each
+One torchrun launch runs ``python -m baft_bench.overhead CONFIG_JSON`` on every rank. Each
 rank builds one :class:`~baft.train.trainer.Trainer` and one hooks object per mode, then
 interleaves blocks of iterations across modes, each round in another order (a Williams
 design: every mode follows every other equally often). Before each block the mode runs
 ``num_switch_iters`` unmeasured iterations, and after it its background work is drained,
 so no mode's work leaks into another's numbers. Per measured iteration every rank
 records its wall seconds and the mode's ``last_metrics``; one all-reduce per block brings
-them to rank 0, which writes ``OUT/overhead-raw.json``. :mod:`baft.bench.aggregate` (pure)
-turns that into the reported numbers; :mod:`baft.bench.command` renders the results page.
+them to rank 0, which writes ``OUT/overhead-raw.json``. :mod:`baft_bench.aggregate` (pure)
+turns that into the reported numbers; :mod:`baft_bench.command` renders the results page.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baft.bench.aggregate import COMPONENTS, FIELDS, block_order
-from baft.bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES, PEER_MODES
+from baft_bench.aggregate import COMPONENTS, FIELDS, block_order
+from baft_bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES, PEER_MODES
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
@@ -263,14 +263,14 @@ def measure_sync_snapshot(trainer: Any, num_reps: int = 5) -> float:
 
 def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> Any:
     """The hooks object of ``mode`` (None for ``none``). Collective."""
-    from baft.bench.baselines import make_baseline
+    from baft_bench.baselines import make_baseline
 
     if mode == "none":
         return None
     if mode in BASELINE_MODES:
         return make_baseline(mode, trainer, Path(bcfg.out_dir) / "ckpt")
     if mode in PEER_MODES:
-        from baft.bench.peers import make_peer
+        from baft_bench.peers import make_peer
 
         return make_peer(
             mode,
@@ -418,9 +418,9 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from baft.bench.baselines import state_nbytes
     from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
+    from baft_bench.baselines import state_nbytes
 
     torch.set_num_threads(1)
     cfg = bcfg.train_config()

@@ -1,6 +1,6 @@
 """The overhead benchmark's numbers from its raw samples: pure functions, no processes.
 
-The worker (:mod:`baft.bench.overhead`) records ``FIELDS`` per iteration and rank; here
+The worker (:mod:`baft_bench.overhead`) records ``FIELDS`` per iteration and rank; here
 they become per-mode medians, ratios against ``none`` (of medians and paired per round),
 per-rank components, and the order of the modes in each round (:func:`block_order`).
 """

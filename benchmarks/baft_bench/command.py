@@ -1,10 +1,10 @@
 """``baft bench overhead`` behind its flags: launch, summarize, write the results page.
 
-``measure_overhead`` launches one torchrun job (see :mod:`baft.bench.overhead`) and
+``measure_overhead`` launches one torchrun job (see :mod:`baft_bench.overhead`) and
 summarizes its raw results; ``write_results`` writes
 ``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG and the raw
 samples next to it. The flags, the table and the JSON on stdout live in
-``baft.cli.bench``.
+:mod:`baft_bench.cli`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from baft.bench.aggregate import COMPONENTS, summarize
-from baft.bench.overhead import (
+from baft_bench.aggregate import COMPONENTS, summarize
+from baft_bench.overhead import (
     ALLOCATOR_ENV,
     ENGINE_MODES,
     RAW_FILE,
@@ -71,7 +71,7 @@ def _clean(cfg: OverheadConfig) -> None:
         shutil.rmtree(out / f"engine-{mode}", ignore_errors=True)
         shutil.rmtree(Path(cfg.store_root) / engine_job_id(cfg.out_dir, mode), ignore_errors=True)
     if "dlrover-flash" in cfg.modes:  # shared memory and sockets, also after a crash
-        from baft.bench.peers import clean_dlrover, dlrover_run_id
+        from baft_bench.peers import clean_dlrover, dlrover_run_id
 
         clean_dlrover(dlrover_run_id(cfg.out_dir))
 
@@ -101,7 +101,7 @@ def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
         f"--nproc-per-node={world}",
         "--monitor-interval=0.1",
         "-m",
-        "baft.bench.overhead",
+        "baft_bench.overhead",
         str(cfg_path),
     ]
     env = bench_env()
@@ -264,7 +264,7 @@ def _component_lines(result: dict[str, Any]) -> list[str]:
 
 def _protection_lines(modes: list[str]) -> list[str]:
     """What each peer mode's snapshot survives, when the run compared peers."""
-    from baft.bench.peers import PROTECTS
+    from baft_bench.peers import PROTECTS
 
     peers = [m for m in modes if m in PROTECTS]
     if not peers:
@@ -307,7 +307,7 @@ def write_results(
     (``.raw.json``) under ``results_dir``."""
     date = _dt.date.today().isoformat()
     results_dir.mkdir(parents=True, exist_ok=True)
-    from baft.bench.modes import PEER_MODES
+    from baft_bench.modes import PEER_MODES
 
     peers = any(m in PEER_MODES for m in result["modes"])  # own page, beside the plain one
     policy = str(result["config"].get("checkpoint", ""))

@@ -10,7 +10,9 @@ Each recovery's phases come from the runtime's own report. The restore phase is
 inventory + transfer/decode + load; lost iterations follow from the checkpoint interval
 of each approach (1 in memory, ``--persist-every`` on disk).
 Disk restores read files that were just written, so the page cache is warm: the disk
-numbers are a best case for storage.
+numbers are a best case for storage. The cold disk row runs its ranks through
+:mod:`baft_bench.cold_worker`, which evicts the checkpoint's files from the page cache
+when a process starts, so the restarted ranks' load reads the disk.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
 from baft.plan.types import CheckpointPolicy
-from baft.train.launch import launch
+from baft.train.launch import WORKER, launch
 
 RESTORE_PHASES = ("inventory", "transfer_decode", "load")
 
@@ -51,13 +53,10 @@ def _cfg(a: Any, out: Path, inject: list[str]) -> TrainConfig:
 
 def _run(a: Any, name: str, inject: list[str], cold: bool = False) -> list[dict[str, Any]]:
     out = Path(a.out) / name
-    # cold: the restoring ranks evict the checkpoint's pages first (posix_fadvise), so
-    # the load really reads the disk; inherited by torchrun's workers
-    os.environ["BAFT_COLD_DISK_RESTORE"] = "1" if cold else "0"
-    try:
-        rc = launch(_cfg(a, out, inject), quiet=not a.verbose)
-    finally:
-        os.environ.pop("BAFT_COLD_DISK_RESTORE", None)
+    # cold: every rank evicts the checkpoint's pages (posix_fadvise) when its process
+    # starts, so the restarted ranks' load really reads the disk
+    worker = "baft_bench.cold_worker" if cold else WORKER
+    rc = launch(_cfg(a, out, inject), quiet=not a.verbose, worker=worker)
     if rc != 0:
         raise RuntimeError(f"the {name} job failed; rerun with --verbose")
     summary = json.loads((out / "summary.json").read_text())
@@ -121,12 +120,12 @@ def run_recovery(a: Any) -> int:
 
 def _peer_rows(a: Any) -> list[dict[str, Any]]:
     """lm-resiliency's restore after the same rank crash, when the peers extra is
-    installed (see :mod:`baft.bench.peer_recovery`)."""
-    from baft.bench.peers import missing_peers
+    installed (see :mod:`baft_bench.peer_recovery`)."""
+    from baft_bench.peers import missing_peers
 
     if missing_peers(["lm-resiliency"]):
         return []
-    from baft.bench.peer_recovery import run_lm_recovery
+    from baft_bench.peer_recovery import run_lm_recovery
 
     out = Path(a.out) / "lm-resiliency"
     return [run_lm_recovery(out, layers=a.layers, d_model=a.d_model, iterations=a.iterations, verbose=a.verbose)]  # fmt: skip

@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from baft.bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES
 from baft.engine.transport import destroy_group
 from baft.pipeline import IterationTimeline
 from baft.train.trainer import Trainer
+from baft_bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES
 
 __all__ = ["ALL_MODES", "BASELINE_MODES", "ENGINE_MODES", "make_baseline", "state_nbytes"]
 

@@ -12,7 +12,7 @@ and model), ``load`` (``enable_resiliency`` with its recovery), ``first_iteratio
 Each rank records the state digest of the last two steps before the kill; the restored
 state must match the recorded one of the step it resumes from.
 
-Worker: ``python -m baft.bench.peer_recovery CONFIG_JSON`` under torchrun.
+Worker: ``python -m baft_bench.peer_recovery CONFIG_JSON`` under torchrun.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def run_lm_recovery(
     path.write_text(json.dumps(config) + "\n")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=1", "--monitor-interval=0.1", "-m", "baft.bench.peer_recovery", str(path),
+        "--max-restarts=1", "--monitor-interval=0.1", "-m", "baft_bench.peer_recovery", str(path),
     ]  # fmt: skip
     stdout = None if verbose else subprocess.DEVNULL
     rc = subprocess.run(cmd, env=launch_env(), stdout=stdout, stderr=stdout).returncode
