@@ -4,8 +4,8 @@
 the device copiers, the protect worker, the same-host peer views, the persister and the
 fault injector, and hands them to :class:`~baft.engine.engine.CheckpointEngine`. Its
 collectives (the new groups, the host gather) run here, in the same order on every rank,
-never in a constructor. ``baft.protect`` (users, the reference trainer) and the overhead
-benchmark all build engines through it.
+never in a constructor. ``baft.protect`` (users, the reference trainer) and the
+measurement harness all build engines through it.
 """
 
 from __future__ import annotations
@@ -195,7 +195,11 @@ def build_engine(
         location=location,
         persister=persister,
         injector=make_injector(ck, run_dir, mesh),
-        termination=Termination().install() if persister and ck.flush_on_sigterm else None,
+        termination=(
+            Termination(max_grace_s=ck.flush_timeout_s).install()
+            if persister and ck.flush_on_sigterm
+            else None
+        ),
         scheduling=scheduling,
         keys=agree_persist_keys(transport, mesh, [n for n, _ in state.named_tensors()]),
     )

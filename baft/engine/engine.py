@@ -108,8 +108,6 @@ class CheckpointEngine:
         self.skip_version: int | None = None
         """The version a restore brought back: it is committed already, not rewritten."""
         self.last_metrics: dict[str, Any] = {}
-        self._iteration_s = 0.0
-        self._last_step_t: float | None = None
 
     @property
     def committed(self) -> int | None:
@@ -210,8 +208,8 @@ class CheckpointEngine:
         self.persisting.interval = lay.plan.interval_iters
         if self.termination is not None:  # a SIGTERM flush comes within ~2 iterations
             ranks = range(len(plan_input.ranks))
-            self._iteration_s = max(plan_input.bubbles(r).iteration_s for r in ranks)
-            self._set_grace(self._iteration_s)  # the profiled iteration, until one is timed
+            profiled = max(plan_input.bubbles(r).iteration_s for r in ranks)
+            self.termination.pace(profiled, profiled=True)  # until an iteration is timed
         assert self.writer.exchange is not None
         paths = self.writer.exchange.paths()
         via = (
@@ -254,10 +252,7 @@ class CheckpointEngine:
 
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
         if self.termination is not None:
-            now = time.perf_counter()
-            if self._last_step_t is not None:
-                self._set_grace(now - self._last_step_t)
-            self._last_step_t = now
+            self.termination.step_done()
         v = self.writer.current
         written = v is not None and v.version == iteration
         if v is not None and written:
@@ -355,14 +350,6 @@ class CheckpointEngine:
         self._quiesce()
         self.persisting.flush(iteration, self.ck.flush_timeout_s, self.ck.persist_dir)
         raise SystemExit(0)
-
-    def _set_grace(self, iteration_s: float) -> None:
-        """The SIGTERM grace: the agreed flush comes at the latest two votes later, so
-        three iterations (of the profiled or the last one, whichever is longer) and at
-        least 5 s, at most ``flush_timeout_s``. A crashed peer's group restart waits for it."""
-        assert self.termination is not None
-        longest = max(iteration_s, self._iteration_s)
-        self.termination.grace_s = min(self.ck.flush_timeout_s, max(5.0, 1.0 + 3.0 * longest))
 
     def _quiesce(self) -> None:
         """Nothing may still read the store's mappings: they are about to be replaced

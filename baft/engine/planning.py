@@ -95,12 +95,12 @@ def gather_plan_input(
 
 
 CALIBRATE_NBYTES = 64 << 20
-"""Buffer of the start-up micro-benchmark: past the private caches (a snapshot streams the
+"""Buffer of the start-up calibration: past the private caches (a snapshot streams the
 state from memory; an 8 MiB buffer measured the cache here, 1.7x the memory's rate)."""
 
 
 def calibrate(configured: dict[str, float] | None, *, hashes_on_copy: bool) -> dict[str, float]:
-    """The cost model: configured values, else a ~1 s micro-benchmark on this machine.
+    """The cost model: configured values, else a ~1 s calibration on this machine.
 
     ``hashes_on_copy``: the snapshot copier hashes every block as it copies it (host
     copiers: :func:`baft.engine.device.copy_hash`), so a snapshot byte costs a copy and a
@@ -118,7 +118,7 @@ def calibrate(configured: dict[str, float] | None, *, hashes_on_copy: bool) -> d
 def replan_rate(plan_input: dict[str, Any], rates: list[float | None]) -> float | None:
     """The snapshot copy rate to re-plan with, or None to keep the plan.
 
-    The start-up micro-benchmark copies one hot buffer; real snapshots gather many tensors
+    The start-up calibration copies one hot buffer; real snapshots gather many tensors
     next to a computing neighbour (2-4x slower here). The slowest rank's measured rate
     replaces the assumed one when they differ by more than 25%.
     """

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -31,13 +32,33 @@ log = logging.getLogger("baft")
 class Termination:
     """A SIGTERM flag (installed only from the main thread; a no-op elsewhere)."""
 
-    def __init__(self, grace_s: float = 2.0) -> None:
+    def __init__(self, grace_s: float = 2.0, *, max_grace_s: float = 20.0) -> None:
         self.requested = False
         self.grace_s = grace_s
         """Seconds from SIGTERM to an agreed flush before dying of the signal anyway."""
+        self.max_grace_s = max_grace_s
+        """The grace never exceeds the flush's own bound (``flush_timeout_s``)."""
+        self._profiled_s = 0.0
+        self._last_step: float | None = None
         self._previous: Any = None
         self._installed = False
         self._timer: threading.Timer | None = None
+
+    def pace(self, iteration_s: float, *, profiled: bool = False) -> None:
+        """Follow the iteration time: the agreed flush comes at the latest two votes
+        later, so the grace is three iterations (of the profiled one, ``profiled``, or the
+        last one, whichever is longer), at least 5 s and at most ``max_grace_s``."""
+        if profiled:
+            self._profiled_s = iteration_s
+        longest = max(iteration_s, self._profiled_s)
+        self.grace_s = min(self.max_grace_s, max(5.0, 1.0 + 3.0 * longest))
+
+    def step_done(self) -> None:
+        """An optimizer step ended: time the iteration since the last one."""
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self.pace(now - self._last_step)
+        self._last_step = now
 
     def install(self) -> Termination:
         if threading.current_thread() is not threading.main_thread():

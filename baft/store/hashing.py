@@ -4,7 +4,7 @@ block while it is still in cache.
 A snapshot chunk (:func:`baft.engine.device.copy_hash`) and a same-host redundancy pull
 both copy bytes into the store and need their xxh3_64 for the manifest. Hashing a block
 right after copying it costs little more than the copy alone; a separate pass over an
-8 MiB chunk re-reads it from L3 or memory (``benchmarks/hash_speed.py``). The digest is
+8 MiB chunk re-reads it from L3 or memory (measured by ``hash_speed.py`` in the repository's measurement scripts). The digest is
 the same as :func:`baft.store.manifest.checksum` of the copied bytes afterwards.
 
 The caller copies (a torch ``copy_`` or ``np.copyto``, whichever its buffers are); this

@@ -121,3 +121,19 @@ def test_replan_is_marked_done_on_every_outcome() -> None:
     trial, reason = got
     assert trial.cost["copy_Bps"] == 0.5e9 and trial.replanned and "0.50 GB/s" in reason
     assert plan_input2.cost["copy_Bps"] == 2e9  # the adopted input is not changed under it
+
+
+def test_sigterm_grace_follows_the_iteration() -> None:
+    """Three iterations (profiled or timed, the longer), at least 5 s, at most the flush's
+    bound: a crashed peer's restart never waits longer than the flush could take."""
+    from baft.liveness.termination import Termination
+
+    t = Termination(max_grace_s=20.0)
+    t.pace(0.1, profiled=True)
+    assert t.grace_s == 5.0
+    t.pace(2.0, profiled=True)
+    assert t.grace_s == 7.0
+    t.pace(0.5)  # a timed iteration shorter than the profiled one: the profiled counts
+    assert t.grace_s == 7.0
+    t.pace(10.0)
+    assert t.grace_s == 20.0
