@@ -40,7 +40,6 @@ from baft.engine.closing import end_of_job
 from baft.engine.device import ChunkCopy, DeviceCopy, HostPins
 from baft.engine.differential import PayloadViews, RecordCapture
 from baft.engine.flat import FlatState, Piece
-from baft.engine.persister import KEYS_META, Persister, PersistKeys
 from baft.engine.persisting import LiveCopy, flush, replica_share, slot_views
 from baft.engine.planning import (
     REPLAN_AFTER_CHECKPOINTS,
@@ -67,6 +66,7 @@ from baft.plan.payload import PayloadLayout
 from baft.plan.types import CheckpointPlan, StateLayout, Task
 from baft.store import reclaim
 from baft.store.coding import GroupLayout, Redundancy, coding_groups, group_layouts
+from baft.store.disk import KEYS_META, Persister, PersistKeys
 from baft.store.manifest import ChunkRecord, Manifest, checksum, region_records
 from baft.store.peer import PeerStore
 from baft.store.shm import MemoryBudgetError, SnapshotStore
@@ -456,6 +456,29 @@ class CheckpointEngine:
     def apply_rng(self) -> None:
         """Load the restored small state (RNG, ...) from the flat state into the live objects."""
         self.state.apply()
+
+    # ------------------------------------------ what a restore needs (recover.Restorable)
+    @property
+    def layout_digests(self) -> dict[str, str]:
+        return self._layouts
+
+    @property
+    def persist_dir(self) -> str | None:
+        return self.ck.persist_dir
+
+    @property
+    def allow_fresh_start(self) -> bool:
+        return self.ck.allow_fresh_start
+
+    @property
+    def first_checkpoint_by(self) -> int:
+        return self.ck.profile_iters + self.policy.every
+
+    def apply_small_state(self) -> None:
+        self.state.apply()
+
+    def forget_versions(self) -> None:
+        self.store.clear_versions()
 
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
         self.state.capture()

@@ -23,7 +23,7 @@ import torch
 
 from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState, typed_view
-from baft.engine.persister import Persister, persist_name
+from baft.store.disk import Persister, persist_name
 
 log = logging.getLogger("baft")
 

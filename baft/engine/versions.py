@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from baft.engine.persister import Persister, SaveHandle
 from baft.engine.transport import Transport, VoteHandle
+from baft.store.disk import Persister, SaveHandle
 from baft.store.shm import SnapshotStore
 
 COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")

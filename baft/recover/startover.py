@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
-from baft.engine.closing import read_closed
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.differential import RestoreError
 from baft.recover.report import progress_seen
+from baft.recover.window import diff_metas
+from baft.store.records import read_closed
 
 log = logging.getLogger("baft")
-
-
-def diff_meta(located: Located) -> dict[int, dict[str, Any]]:
-    """Version -> its differential meta (k, slice, first_version, ...) from any manifest."""
-    out: dict[int, dict[str, Any]] = {}
-    for loc in located.stores:
-        for x in loc.inventory.versions:
-            d = x.manifest.meta.get("diff") if x.manifest is not None else None
-            if d:
-                out.setdefault(x.version, d)
-    return out
 
 
 def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
@@ -38,18 +27,17 @@ def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int
     rebuildable, so starting over loses only the iterations since the job began. A newer
     version written but never committed (the crash came during its exchange) does not
     count: it was never restorable. None otherwise."""
-    from baft.recover.differential import window_of
-
-    meta = diff_meta(located)
+    meta = diff_metas(located)
     if not meta:
         return None
     newest = max(meta)
-    k, first = int(meta[newest]["k"]), int(meta[newest]["first_version"])
+    rotation = meta[newest]
+    k, first = rotation.k, rotation.first_version
     told = [x.inventory.committed for x in located.stores if x.inventory.committed is not None]
     committed = max(told) if told else None  # the newest any rank was told was committed
     if first >= began_by:
         return None
-    if committed is not None and committed >= first and window_of(committed, k, first) is not None:
+    if committed is not None and committed >= first and rotation.window(committed) is not None:
         return None
     return first, newest, k
 
