@@ -42,6 +42,35 @@ def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int
     return first, newest, k
 
 
+def _never_restorable(located: Located, shards: bool, done: int, began_by: int, rank: int) -> bool:
+    """Whether nothing could ever have been restored, so starting over loses only the
+    iterations since the job began (logged on rank 0): the job ended before its first
+    checkpoint, or inside its first differential rotation (:func:`young_first_rotation`)."""
+    if not shards and done <= began_by:
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0, losing %d iteration(s): the job ended "
+                "before its first checkpoint",
+                done,
+            )
+        return True
+    young = young_first_rotation(located, began_by) if shards else None
+    if young is None or done > young[1] + 2:
+        return False
+    first, newest, k = young
+    if rank == 0:
+        log.warning(
+            "starting over from iteration 0, losing %d iteration(s): the job's "
+            "differential checkpoints began at v%d and no committed version up to v%d "
+            "is a whole window of %d payloads old, so no version was rebuildable",
+            done,
+            first,
+            newest,
+            k,
+        )
+    return True
+
+
 def never_silently_fresh(
     plan: RecoveryPlan,
     reason: str,
@@ -75,27 +104,7 @@ def never_silently_fresh(
     if shards:
         where = sorted({str(loc.store) for loc in located.stores if loc.inventory.versions})
         seen.append(f"stores hold snapshots of the job ({', '.join(where)})")
-    if not shards and done <= began_by:
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0, losing %d iteration(s): the job ended "
-                "before its first checkpoint",
-                done,
-            )
-        return
-    young = young_first_rotation(located, began_by) if shards else None
-    if young is not None and done <= young[1] + 2:
-        first, newest, k = young
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0, losing %d iteration(s): the job's "
-                "differential checkpoints began at v%d and no committed version up to v%d "
-                "is a whole window of %d payloads old, so no version was rebuildable",
-                done,
-                first,
-                newest,
-                k,
-            )
+    if _never_restorable(located, shards, done, began_by, rank):
         return
     closed = None if shards else read_closed(run_dir)
     if closed and closed.get("freed") and done <= int(closed.get("committed") or 0) + 1:
