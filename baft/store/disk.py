@@ -19,6 +19,11 @@ at any point leaves either the previous ``latest`` or a complete new checkpoint.
 Deleting goes the other way round (marker first), so a half-deleted checkpoint is a
 partial one. Saves are collective: every rank calls :meth:`Persister.save_async` for
 the same versions in the same order.
+
+Recovery loads from here (:func:`load_version`) as it reads the memory tier
+(:mod:`baft.store.shm`). TP shards are saved and loaded as the DTensors they belong to,
+described by a :class:`ShardLayout` (``baft.pipeline.layout.GlobalLayout`` is one), so
+this tier imports nothing above the store.
 """
 
 from __future__ import annotations
