@@ -25,6 +25,7 @@ from baft.store.records import CLOSED_FILE
 
 log = logging.getLogger("baft")
 
+
 def decide(
     finished: bool, committed: int | None, persisted: int | None, keep: bool
 ) -> tuple[bool, str]:
