@@ -22,7 +22,6 @@ from baft.config import CheckpointConfig
 from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
-from baft.engine.persister import Persister, PersistKeys, choose_persist_keys
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import GlooTransport, Transport
 from baft.engine.worker import ProtectWorker
@@ -31,6 +30,7 @@ from baft.pipeline.layout import GlobalLayout
 from baft.pipeline.mesh import Mesh
 from baft.pipeline.step import StepRunner
 from baft.plan import names
+from baft.store.disk import Persister, PersistKeys, choose_persist_keys
 from baft.store.shm import SnapshotStore
 
 log = logging.getLogger("baft")

@@ -5,7 +5,7 @@ tiny MIN all-reduce) no longer needs host memory for a restart: its stores are f
 unless ``CheckpointConfig.keep_stores_on_close`` asks to keep them (the log says whether
 the newest committed version is persisted to DCP, i.e. whether freeing lost anything). A job that
 did not end (a crash, SIGTERM, a kill, an exception in flight at ``close()``) keeps them
-for its restart. Rank 0 records the outcome in the run directory (:data:`CLOSED_FILE`),
+for its restart. Rank 0 records the outcome in the run directory (:data:`~baft.store.records.CLOSED_FILE`),
 so that a relaunch that finds no stores can say why (see ``baft.recover.startover``).
 """
 
@@ -18,15 +18,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from baft.engine.persister import latest_version
 from baft.engine.transport import Transport
+from baft.store.disk import latest_version
 from baft.store.paths import job_path
+from baft.store.records import CLOSED_FILE
 
 log = logging.getLogger("baft")
-
-CLOSED_FILE = "progress/closed.json"
-"""Run-directory record of a clean end: version, whether the stores were freed, and the
-newest DCP version then."""
 
 
 def decide(
@@ -124,12 +121,3 @@ def end_of_job(
         tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, path)
     return free
-
-
-def read_closed(run_dir: Path) -> dict[str, Any] | None:
-    """The record of the run's clean end, or None (none, or unreadable)."""
-    try:
-        out = json.loads((Path(run_dir) / CLOSED_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None

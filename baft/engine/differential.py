@@ -15,73 +15,14 @@ group's hyperparameters, encoded exactly (no pickle).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from torch.distributed.tensor import DTensor
 
 from baft.engine.flat import FlatState
-from baft.pipeline.encoding import decode_value, encode_value
-from baft.pipeline.state import decode_hypers, encode_hypers, param_group_hypers
+from baft.pipeline.encoding import local as _local
+from baft.pipeline.record import Record, encode_meta
+from baft.pipeline.record import decode_meta as decode_meta
+from baft.pipeline.state import encode_hypers, param_group_hypers
 from baft.plan.payload import GRAD_PREFIX, RECORD_META, PayloadLayout
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-@dataclass
-class Record:
-    """The record of optimizer step ``step`` as captured (references, not copies)."""
-
-    step: int
-    grads: dict[str, torch.Tensor | None]
-    """Group (parameter FQN) -> its gradient as the optimizer read it, None if it had none."""
-    hypers: bytes
-    """Every param group's hyperparameters at the step (``encode_hypers``)."""
-    scaler: dict[str, torch.Tensor] | None = None
-    """``grad_scale``/``found_inf`` a ``torch.amp.GradScaler`` set on a fused optimizer
-    for the step (the grads are then still scaled and the step unscales them)."""
-
-
-def encode_meta(record: Record | None, capacity: int) -> torch.Tensor:
-    """The record meta blob: length-prefixed JSON in ``capacity`` bytes."""
-    if record is None:
-        body = b'{"step": null}'
-    else:
-        present = [g for g, t in record.grads.items() if t is not None]
-        scaler = {k: encode_value(t.detach().cpu(), k) for k, t in (record.scaler or {}).items()}
-        body = json.dumps(
-            {
-                "step": record.step,
-                "present": present,
-                "hypers": record.hypers.decode(),
-                "scaler": scaler,
-            }
-        ).encode()
-    if len(body) + 8 > capacity:
-        raise ValueError(
-            f"gradient record metadata needs {len(body) + 8} bytes, capacity {capacity}: "
-            "too many param groups or hyperparameters for the record blob"
-        )
-    out = torch.zeros(capacity, dtype=torch.uint8)
-    out[:8] = torch.tensor([len(body)], dtype=torch.int64).view(torch.uint8)
-    out[8 : 8 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-    return out
-
-
-def decode_meta(blob: torch.Tensor) -> dict[str, Any]:
-    """Inverse of :func:`encode_meta`: ``{"step": int | None, "present": [...], "groups": [...]}``."""
-    n = int(blob[:8].clone().view(torch.int64).item())
-    if not 0 <= n <= blob.numel() - 8:
-        raise ValueError(f"record meta length {n} outside its blob of {blob.numel()} bytes")
-    meta = json.loads(bytes(blob[8 : 8 + n].numpy()).decode())
-    if meta.get("step") is not None:
-        meta["groups"] = decode_hypers(meta.pop("hypers").encode())
-        meta["scaler"] = {k: decode_value(v) for k, v in (meta.get("scaler") or {}).items()}
-    return meta
 
 
 class RecordCapture:

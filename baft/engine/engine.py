@@ -219,11 +219,31 @@ class CheckpointEngine:
         log.info("checkpoint plan (%s): %s; %s; %s", source, lay.plan.reason, lay.k_reason, via)
         return kept
 
-    # ------------------------------------------------------------------ hooks
-    def apply_rng(self) -> None:
-        """Load the restored small state (RNG, ...) from the flat state into the live objects."""
+    # ------------------------------------------ what a restore needs (recover.Restorable)
+    @property
+    def persist_dir(self) -> str | None:
+        return self.ck.persist_dir
+
+    @property
+    def allow_fresh_start(self) -> bool:
+        return self.ck.allow_fresh_start
+
+    @property
+    def first_checkpoint_by(self) -> int:
+        """By this iteration a job has written its first checkpoint (profiling plus one
+        interval): progress before it never held a restorable version."""
+        return self.ck.profile_iters + self.policy.every
+
+    def apply_small_state(self) -> None:
+        """Load the restored small state (RNG, ``state=`` objects) into the live objects."""
         self.state.apply()
 
+    def forget_versions(self) -> None:
+        """Nothing in this rank's store may be restored any more (a restore from DCP, or
+        a fresh start, made the job's state something no stored version holds)."""
+        self.store.clear_versions()
+
+    # ------------------------------------------------------------------ hooks
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
         self.state.capture()
         self._fire("iteration", iteration)

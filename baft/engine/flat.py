@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from baft.engine.device import Pair
+from baft.pipeline.encoding import typed_view as typed_view
 from baft.plan.types import TensorSpec
 
 
@@ -23,24 +24,6 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("checkpointed tensors must be contiguous")
     return t.detach().reshape(-1).view(torch.uint8)
-
-
-def typed_view(
-    raw: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]
-) -> torch.Tensor:
-    """``raw`` (uint8 bytes) read as a ``dtype`` tensor of ``shape``: a view when the
-    bytes sit at an offset ``dtype`` can be viewed from, else a copy.
-
-    Flat states and payloads lay tensors end to end without padding (the store slots,
-    chunks and parity regions are byte ranges of that layout), so a tensor that follows
-    one of odd size (``extra.optim.created`` holds a byte per deferred optimizer state; an
-    fp16 tensor of odd numel) starts at an offset torch refuses to view as a wider type.
-    Readers go through here instead of ``.view(dtype)``; only misaligned reads copy.
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    if raw.storage_offset() % size or raw.data_ptr() % size:
-        raw = raw.clone()
-    return raw.view(dtype).view(shape)
 
 
 @dataclass(frozen=True, slots=True)

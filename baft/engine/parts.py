@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from baft.engine.device import DeviceCopy
-from baft.engine.persister import Persister, PersistKeys
+from baft.store.disk import Persister, PersistKeys
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import Transport
 from baft.engine.worker import ProtectWorker

@@ -1,6 +1,6 @@
 """Which ranks share this host's memory: their stores are read directly, not over the network.
 
-Ranks with equal :func:`host_id` (same machine, same boot) that keep their stores under
+Ranks with equal :func:`~baft.store.paths.host_id` (same machine, same boot) that keep their stores under
 one store root share a location (:func:`baft.topology.memory_domains`): they exchange
 redundancy through the store (``exchange=auto``) and inventory each other's stores at
 recovery; all other traffic uses the transport (see :mod:`baft.engine.redundancy`). Agents
@@ -11,27 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 
 from baft.engine.transport import Transport
+from baft.store.paths import host_id
 from baft.store.peer import PeerStore
 from baft.topology import Topology, memory_domains
 
 log = logging.getLogger("baft")
-
-
-def host_id() -> str:
-    """This machine in this boot: ranks with equal ids share host memory. ``BAFT_HOST_ID``
-    overrides it (tests that play several hosts on one machine)."""
-    override = os.environ.get("BAFT_HOST_ID")
-    if override:
-        return override
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def find_same_host_peers(

@@ -24,7 +24,7 @@ import torch
 
 from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState, typed_view
-from baft.engine.persister import KEYS_META, Persister, PersistKeys, SaveHandle, persist_name
+from baft.store.disk import KEYS_META, Persister, PersistKeys, SaveHandle, persist_name
 from baft.topology import Topology
 
 log = logging.getLogger("baft")

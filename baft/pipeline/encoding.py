@@ -28,6 +28,24 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def typed_view(
+    raw: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    """``raw`` (uint8 bytes) read as a ``dtype`` tensor of ``shape``: a view when the
+    bytes sit at an offset ``dtype`` can be viewed from, else a copy.
+
+    Flat states and payloads lay tensors end to end without padding (the store slots,
+    chunks and parity regions are byte ranges of that layout), so a tensor that follows
+    one of odd size (``extra.optim.created`` holds a byte per deferred optimizer state; an
+    fp16 tensor of odd numel) starts at an offset torch refuses to view as a wider type.
+    Readers go through here instead of ``.view(dtype)``; only misaligned reads copy.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if raw.storage_offset() % size or raw.data_ptr() % size:
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     t = local(t).detach().cpu().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -20,7 +20,7 @@ Nothing here does I/O or talks to a process group.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor, Replicate
 __all__ = [
     "FSDP_HELP",
     "GlobalLayout",
-    "as_dtensors",
     "check_no_sharded_replicas",
     "check_replica_layouts",
     "first_difference",
@@ -142,26 +141,6 @@ class GlobalLayout(NamedTuple):
     """The global shape."""
     stride: tuple[int, ...]
     """The global stride."""
-
-
-def as_dtensors(
-    state: Mapping[str, torch.Tensor], layouts: Mapping[str, GlobalLayout]
-) -> dict[str, torch.Tensor]:
-    """``state`` with every plain tensor named in ``layouts`` wrapped, without a copy or a
-    collective, as the DTensor whose local shard it is. baft snapshots rank-local bytes;
-    DCP must see TP shards as DTensors, else the shards of one tensor are same-named
-    plain tensors and DCP keeps one of them (every other TP rank restores its bytes)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        g = layouts.get(key)
-        out[key] = (
-            t
-            if g is None or isinstance(t, DTensor)
-            else DTensor.from_local(
-                t, g.mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride
-            )
-        )
-    return out
 
 
 def placement_of(t: torch.Tensor) -> tuple[tuple[int, ...], str, tuple[int, ...]]:

@@ -24,11 +24,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from baft.engine.differential import _local, decode_meta
-from baft.engine.flat import typed_view
+from baft.pipeline.encoding import local, typed_view
+from baft.pipeline.record import decode_meta
 from baft.pipeline.replay import StepRecord, replay
 from baft.plan.payload import GRAD_PREFIX, RECORD_META, PayloadLayout
 from baft.plan.types import TensorSpec
+from baft.store.records import window_of
 
 
 class RestoreError(RuntimeError):
@@ -52,13 +53,6 @@ class DeferredState(Protocol):
     def adopt_deferred(self) -> None:
         """Move state the replay created into its layout tensor."""
         ...
-
-
-def window_of(version: int, k: int, first_version: int) -> range | None:
-    """Payload versions rebuilding ``version`` needs, or None when the rotation that
-    began at ``first_version`` is not a whole window old yet."""
-    start = version - k + 1
-    return range(start, version + 1) if start >= first_version else None
 
 
 def _offsets(specs: tuple[TensorSpec, ...]) -> dict[str, tuple[int, int]]:
@@ -126,7 +120,7 @@ def rebuild_from_payloads(
         for g in meta["present"]:
             off, n = where[GRAD_PREFIX + g]
             # a TP (DTensor) param's record holds its local shard's gradient
-            p = _local(params[g])
+            p = local(params[g])
             grads[g] = typed_view(raw[off : off + n], p.dtype, p.shape)
         scaler = {k: v.to(next(iter(params.values())).device) for k, v in meta["scaler"].items()}
         records.append(StepRecord(step=u - 1, grads=grads, groups=meta["groups"], scaler=scaler))

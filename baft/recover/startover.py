@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
-from baft.engine.closing import read_closed
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.differential import RestoreError
 from baft.recover.report import progress_seen
+from baft.recover.window import diff_metas
+from baft.store.records import read_closed
 
 log = logging.getLogger("baft")
-
-
-def diff_meta(located: Located) -> dict[int, dict[str, Any]]:
-    """Version -> its differential meta (k, slice, first_version, ...) from any manifest."""
-    out: dict[int, dict[str, Any]] = {}
-    for loc in located.stores:
-        for x in loc.inventory.versions:
-            d = x.manifest.meta.get("diff") if x.manifest is not None else None
-            if d:
-                out.setdefault(x.version, d)
-    return out
 
 
 def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
@@ -38,20 +27,48 @@ def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int
     rebuildable, so starting over loses only the iterations since the job began. A newer
     version written but never committed (the crash came during its exchange) does not
     count: it was never restorable. None otherwise."""
-    from baft.recover.differential import window_of
-
-    meta = diff_meta(located)
+    meta = diff_metas(located)
     if not meta:
         return None
     newest = max(meta)
-    k, first = int(meta[newest]["k"]), int(meta[newest]["first_version"])
+    rotation = meta[newest]
+    k, first = rotation.k, rotation.first_version
     told = [x.inventory.committed for x in located.stores if x.inventory.committed is not None]
     committed = max(told) if told else None  # the newest any rank was told was committed
     if first >= began_by:
         return None
-    if committed is not None and committed >= first and window_of(committed, k, first) is not None:
+    if committed is not None and committed >= first and rotation.window(committed) is not None:
         return None
     return first, newest, k
+
+
+def _never_restorable(located: Located, shards: bool, done: int, began_by: int, rank: int) -> bool:
+    """Whether nothing could ever have been restored, so starting over loses only the
+    iterations since the job began (logged on rank 0): the job ended before its first
+    checkpoint, or inside its first differential rotation (:func:`young_first_rotation`)."""
+    if not shards and done <= began_by:
+        if rank == 0:
+            log.warning(
+                "starting over from iteration 0, losing %d iteration(s): the job ended "
+                "before its first checkpoint",
+                done,
+            )
+        return True
+    young = young_first_rotation(located, began_by) if shards else None
+    if young is None or done > young[1] + 2:
+        return False
+    first, newest, k = young
+    if rank == 0:
+        log.warning(
+            "starting over from iteration 0, losing %d iteration(s): the job's "
+            "differential checkpoints began at v%d and no committed version up to v%d "
+            "is a whole window of %d payloads old, so no version was rebuildable",
+            done,
+            first,
+            newest,
+            k,
+        )
+    return True
 
 
 def never_silently_fresh(
@@ -87,27 +104,7 @@ def never_silently_fresh(
     if shards:
         where = sorted({str(loc.store) for loc in located.stores if loc.inventory.versions})
         seen.append(f"stores hold snapshots of the job ({', '.join(where)})")
-    if not shards and done <= began_by:
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0, losing %d iteration(s): the job ended "
-                "before its first checkpoint",
-                done,
-            )
-        return
-    young = young_first_rotation(located, began_by) if shards else None
-    if young is not None and done <= young[1] + 2:
-        first, newest, k = young
-        if rank == 0:
-            log.warning(
-                "starting over from iteration 0, losing %d iteration(s): the job's "
-                "differential checkpoints began at v%d and no committed version up to v%d "
-                "is a whole window of %d payloads old, so no version was rebuildable",
-                done,
-                first,
-                newest,
-                k,
-            )
+    if _never_restorable(located, shards, done, began_by, rank):
         return
     closed = None if shards else read_closed(run_dir)
     if closed and closed.get("freed") and done <= int(closed.get("committed") or 0) + 1:

@@ -2,8 +2,9 @@
 
 - ``coding``: redundancy policies, coding groups, stripe layout, encode / rebuild (pure).
 - ``manifest``: manifest, commit and inventory records with xxh3 checksums.
-- ``paths``: where stores live: the directory tree and a store's file names.
+- ``paths``: where stores live: the host id, the directory tree and a store's file names.
 - ``shm``: the per-rank shared-memory store (version slots; its own read path).
+- ``disk``: the disk tier: versions as DCP checkpoints (background writer, commit marker).
 - ``peer``: read-only view of a same-host rank's store (redundancy moved once).
 - ``inspect``: ``baft inspect`` over a store directory.
 """

@@ -5,14 +5,16 @@ owns, per-chunk xxh3_64 checksums of the data, the redundancy regions with check
 the topology and coding group it was written under, and free-form JSON ``meta``.
 A *RankInventory* is what a rank publishes on restart: which versions its store holds,
 in which state, and whether their checksums verified. Both are plain data (JSON
-round-trip) so the pure recovery coordinator can reason about them.
+round-trip) so the pure recovery coordinator can reason about them. :func:`mismatches`
+is the one check of store bytes against a manifest (``SnapshotStore.inventory`` and a
+restore's reads both use it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -233,6 +235,40 @@ class Manifest:
         for r in self.regions:
             if r.offset < 0 or r.offset + r.nbytes > self.red_nbytes:
                 raise ValueError(f"region {r.region_id} outside redundancy area {self.red_nbytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatches:
+    """What of a version's bytes does not match its manifest."""
+
+    chunks: tuple[tuple[ChunkRecord, int], ...] = ()
+    """Data chunks whose bytes hash otherwise: (record, xxh3 found)."""
+    regions: tuple[RegionRecord, ...] = ()
+    """Redundancy regions whose bytes hash otherwise."""
+
+
+def mismatches(
+    manifest: Manifest,
+    data: np.ndarray | None,
+    red: np.ndarray | None,
+    region_ids: Collection[int] | None = None,
+) -> Mismatches:
+    """Which chunks of ``data`` (the shard) and regions of ``red`` (the redundancy area)
+    do not match ``manifest``'s checksums; ``region_ids``: only those regions. A buffer
+    given as None is not checked (the caller did not read it, or could not)."""
+    chunks: tuple[tuple[ChunkRecord, int], ...] = ()
+    if data is not None:
+        found = ((c, checksum(data[c.offset : c.offset + c.nbytes])) for c in manifest.chunks)
+        chunks = tuple((c, got) for c, got in found if got != c.xxh3)
+    regions: tuple[RegionRecord, ...] = ()
+    if red is not None:
+        regions = tuple(
+            r
+            for r in manifest.regions
+            if (region_ids is None or r.region_id in region_ids)
+            and checksum(red[r.offset : r.offset + r.nbytes]) != r.xxh3
+        )
+    return Mismatches(chunks, regions)
 
 
 def dumps(manifest: Manifest) -> str:

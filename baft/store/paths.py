@@ -1,13 +1,17 @@
-"""Where stores live on disk: the directory tree and the file names of a rank's store.
+"""Where stores live: the host whose memory holds them, the directory tree and the file
+names of a rank's store.
 
 ``{root}/{job_id}/node{node}/rank{rank}/`` holds ``slot{s}.data``, ``slot{s}.red``,
 ``slot{s}.json``, ``commit.json`` and ``progress`` (see :mod:`baft.store.shm`). Names
-only: nothing here opens a slot file.
+only: nothing here opens a slot file. :func:`host_id` names the machine (and boot)
+whose memory a store root is in: ranks with equal ids read each other's stores.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +21,19 @@ and protocol: :mod:`baft.store.progress`)."""
 KINDS = ("data", "red")
 """The two files of a slot: the shard (``data``) and its redundancy area (``red``)."""
 SLOT_FILE = re.compile(r"^slot(\d+)\.(?:data|red|json)$")
+
+
+def host_id() -> str:
+    """This machine in this boot: ranks with equal ids share host memory. ``BAFT_HOST_ID``
+    overrides it (tests that play several hosts on one machine)."""
+    override = os.environ.get("BAFT_HOST_ID")
+    if override:
+        return override
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def slot_file_name(slot: int, kind: str) -> str:

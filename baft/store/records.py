@@ -6,8 +6,12 @@
   (:data:`~baft.plan.inputs.PLAN_INPUT_FILE`): every rank's BubbleMap and state layout,
   rank 0's cost model, the world size, and whether the one re-plan already ran. Read and
   written only here.
+- :data:`CLOSED_FILE`: the run directory's record of a clean end (written by
+  ``baft.engine.closing``), read back by :func:`read_closed` when a relaunch finds no
+  stores.
 
-Pure data and JSON; ``PlanInput.load``/``save`` are the only file I/O.
+Pure data and JSON; ``PlanInput.load``/``save`` and :func:`read_closed` are the only file
+I/O.
 """
 
 from __future__ import annotations
@@ -142,3 +146,17 @@ class PlanInput:
         tmp = Path(run_dir) / (PLAN_INPUT_FILE + ".tmp")
         tmp.write_text(json.dumps(self.to_json()))
         tmp.replace(Path(run_dir) / PLAN_INPUT_FILE)
+
+
+CLOSED_FILE = "progress/closed.json"
+"""Run-directory record of a clean end: version, whether the stores were freed, and the
+newest DCP version then."""
+
+
+def read_closed(run_dir: Path) -> dict[str, Any] | None:
+    """The record of the run's clean end, or None (none, or unreadable)."""
+    try:
+        out = json.loads((Path(run_dir) / CLOSED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None

@@ -39,8 +39,8 @@ from baft.store.manifest import (
     Manifest,
     RankInventory,
     VersionInfo,
-    checksum,
     dumps,
+    mismatches,
 )
 from baft.store.paths import KINDS, PROGRESS_FILE, SLOT_FILE, rank_path, slot_file_name
 
@@ -505,26 +505,20 @@ class SnapshotStore:
         where = f"{where} v{m.version}"
         problems: list[str] = []
         data = self._read_view(slot, "data", m.data_nbytes, problems, where)
-        data_ok = data is not None
-        for c in m.chunks:
-            if data is None:
-                break
-            got = checksum(data[c.offset : c.offset + c.nbytes])
-            if got != c.xxh3:
-                data_ok = False
-                problems.append(
-                    f"{where}: data chunk {c.chunk_id} [{c.offset}, +{c.nbytes}) checksum "
-                    f"{got:016x} != {c.xxh3:016x}"
-                )
-        red = self._read_view(slot, "red", m.red_nbytes, problems, where)
-        bad = []
-        for r in m.regions:
-            found = None if red is None else checksum(red[r.offset : r.offset + r.nbytes])
-            if found != r.xxh3:
-                bad.append(r.region_id)
-                if red is not None:
-                    problems.append(f"{where}: redundancy region {r.region_id} checksum mismatch")
-        return problems, data_ok, tuple(bad)
+        red_problems: list[str] = []
+        red = self._read_view(slot, "red", m.red_nbytes, red_problems, where)
+        found = mismatches(m, data, red)
+        problems += [
+            f"{where}: data chunk {c.chunk_id} [{c.offset}, +{c.nbytes}) checksum "
+            f"{got:016x} != {c.xxh3:016x}"
+            for c, got in found.chunks
+        ]
+        problems += red_problems
+        problems += [
+            f"{where}: redundancy region {r.region_id} checksum mismatch" for r in found.regions
+        ]
+        bad = m.regions if red is None else found.regions
+        return problems, data is not None and not found.chunks, tuple(r.region_id for r in bad)
 
     def _read_view(
         self, slot: int, kind: str, nbytes: int, problems: list[str], where: str

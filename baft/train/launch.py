@@ -260,8 +260,8 @@ def _kill(pid: int) -> None:
 def _flush_verdict(cfg: TrainConfig) -> bool:
     """Whether the run's newest complete DCP checkpoint holds every iteration a rank
     finished (what a SIGTERM flush writes)."""
-    from baft.engine.persister import latest_version
     from baft.recover.report import progress_seen
+    from baft.store.disk import latest_version
 
     ck = cfg.checkpoint
     if ck is None or not ck.persist_dir:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from baft.engine.persister import latest_version, read_metadata, version_dir
+from baft.store.disk import latest_version, read_metadata, version_dir
 from tests.dist.test_api_restore import _digest, _iteration, _protect, _setup
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from baft.engine import persister as persister_mod
-from baft.engine.persister import (
+from baft.store import disk as persister_mod
+from baft.store.disk import (
     COMPLETE_MARKER,
     LATEST_FILE,
     Persister,

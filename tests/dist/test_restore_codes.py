@@ -4,10 +4,10 @@ One 4-rank job (each rank its own simulated node) runs, per case: two versions w
 through :class:`~baft.engine.redundancy.RedundancyExchange` (the engine's sends,
 receives and parity encoding) into real snapshot stores, a third left in flight; then
 some nodes lose their stores (a replacement starts empty) or a byte of a shard flips;
-then :func:`baft.recover.runtime._agree` (inventories, checksums, the coordinator) and
-:func:`baft.recover.runtime._rebuild_shard` (peer transfers, replica copy, decode) run as
+then :func:`baft.recover.inventory.agree` (inventories, checksums, the coordinator) and
+:func:`baft.recover.transfer.rebuild_shard` (peer transfers, replica copy, decode) run as
 they do at start-up, then the DP replicas exchange their shards point to point
-(:func:`baft.recover.runtime._exchange_replicas`). Every rank's rebuilt shard must equal
+(:func:`baft.recover.transfer.exchange_replicas`). Every rank's rebuilt shard must equal
 what it wrote, every rank must end with all four shards, and each shard's source must be
 the expected one.
 """
@@ -86,7 +86,8 @@ def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from baft.recover.runtime import _agree, _exchange_replicas, _rebuild_shard
+    from baft.recover.inventory import agree
+    from baft.recover.transfer import exchange_replicas, rebuild_shard
     from baft.store.coding import Redundancy, group_layouts
     from baft.store.shm import SnapshotStore
     from baft.topology import Topology
@@ -109,15 +110,15 @@ def _case(rank: int, root: str, name: str, transport: Any) -> dict[str, Any]:
         slot = next(s for s in (0, 1) if (m := store.read_manifest(s)) and m.version == 2)
         store.data_view(slot)[17] ^= 0x80
     dist.barrier()
-    plan, reason, _ = _agree(store, transport, topo, red, ())
-    shard = _rebuild_shard(store, transport, rank, plan)
+    plan, reason, _ = agree(store, transport, topo, red, ())
+    shard = rebuild_shard(store, transport, rank, plan)
     sha = hashlib.sha256(shard.tobytes()).hexdigest()
     full = bytearray(sum(plan.shard_nbytes.values()))  # the 4 dp replicas' shards in order
 
     def write(pos: int, piece: torch.Tensor) -> None:
         full[pos : pos + piece.numel()] = piece.numpy().tobytes()
 
-    _exchange_replicas(transport, topo, rank, plan, shard, write)
+    exchange_replicas(transport, topo, rank, plan, shard, write)
     store.drop_read_cache()  # what recover_and_start does once a restore is done
     dist.barrier()
     return {

@@ -88,16 +88,11 @@ def _restore(rank: int, world: int, base: str, hosts: dict[int, str]) -> dict[st
 
     os.environ["BAFT_HOST_ID"] = hosts[rank]
 
-    from baft.engine.peers import host_id
     from baft.engine.transport import GlooTransport
-    from baft.recover.runtime import (
-        HostStores,
-        _agree,
-        _exchange_replicas,
-        _rebuild_shard,
-        _reclaim,
-    )
+    from baft.recover.inventory import HostStores, agree, reclaim_stores
+    from baft.recover.transfer import exchange_replicas, rebuild_shard
     from baft.store.coding import Redundancy
+    from baft.store.paths import host_id
     from baft.store.shm import SnapshotStore
     from baft.topology import Topology
 
@@ -106,15 +101,15 @@ def _restore(rank: int, world: int, base: str, hosts: dict[int, str]) -> dict[st
     own = SnapshotStore(root, "job", topo.node_of(rank), rank, 1 << 22)
     stores = HostStores(own, host_id())
     transport = GlooTransport(60.0)
-    plan, reason, located = _agree(stores, transport, topo, Redundancy.parse("xor:2"), ())
-    shard = _rebuild_shard(stores, transport, rank, plan)
+    plan, reason, located = agree(stores, transport, topo, Redundancy.parse("xor:2"), ())
+    shard = rebuild_shard(stores, transport, rank, plan)
     full = bytearray(sum(plan.shard_nbytes.values()))
 
     def write(pos: int, piece: torch.Tensor) -> None:
         full[pos : pos + piece.numel()] = piece.numpy().tobytes()
 
-    _exchange_replicas(transport, topo, rank, plan, shard, write)
-    reclaimed = _reclaim(stores, transport, topo, plan, located)
+    exchange_replicas(transport, topo, rank, plan, shard, write)
+    reclaimed = reclaim_stores(stores, transport, topo, plan, located)
     stores.drop_read_caches()
     return {
         "version": plan.version,

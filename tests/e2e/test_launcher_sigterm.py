@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from baft.engine.persister import COMPLETE_MARKER, LATEST_FILE, version_dir
+from baft.store.disk import COMPLETE_MARKER, LATEST_FILE, version_dir
 from baft.train.launch import _alive, _descendants
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from baft.config import CheckpointConfig
-from baft.engine.persister import latest_version, version_dir
 from baft.model.gpt import GPTStage
 from baft.plan.types import CheckpointPolicy
+from baft.store.disk import latest_version, version_dir
 from tests.dist.runs import TINY_MODEL, run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)

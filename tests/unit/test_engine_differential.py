@@ -24,8 +24,8 @@ from baft.pipeline.state import TrainingState
 from baft.plan.inputs import bmap_to_json, layout_to_json
 from baft.plan.payload import PayloadLayout
 from baft.plan.types import BubbleMap, Slot, StateLayout
-from baft.recover.differential import RestoreError, rebuild_from_payloads, window_of
-from baft.store.records import PlanInput
+from baft.recover.differential import RestoreError, rebuild_from_payloads
+from baft.store.records import PlanInput, window_of
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 from tests.unit.test_engine_inprocess import _on_ranks

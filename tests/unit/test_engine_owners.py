@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch
+from baft.store.disk import PersistKeys
 
 from baft.config import CheckpointConfig
 from baft.engine.differential import RecordCapture
 from baft.engine.flat import FlatState
-from baft.engine.persister import PersistKeys
 from baft.engine.persisting import Persisting
 from baft.engine.rotation import Rotation
 from baft.plan.inputs import bmap_to_json, layout_to_json

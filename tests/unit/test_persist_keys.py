@@ -14,10 +14,10 @@ from torch import nn
 
 from baft.engine.device import HostCopy
 from baft.engine.flat import FlatState
-from baft.engine.persister import PersistKeys, check_persist_keys, choose_persist_keys
 from baft.engine.persisting import LiveCopy, slot_views
 from baft.model.gpt import GPTStage
 from baft.pipeline.state import TrainingState
+from baft.store.disk import PersistKeys, check_persist_keys, choose_persist_keys
 from tests.dist.runs import TINY_MODEL
 
 

@@ -24,25 +24,21 @@ import torch
 from baft.engine.local_transport import LocalTransport
 from baft.engine.peers import find_same_host_peers
 from baft.recover.coordinator import (
+    Located,
     LocatedInventory,
     RecoveryPlan,
     StoreRef,
     TopologyMismatchError,
 )
+from baft.recover.differential import RestoreError
+from baft.recover.inventory import HostStores, agree, reclaim_stores
 from baft.recover.report import PROGRESS_DIR
-from baft.recover.runtime import (
-    HostStores,
-    Located,
-    RestoreError,
-    _agree,
-    _exchange_replicas,
-    _rebuild_shard,
-    _reclaim,
-)
 from baft.recover.startover import never_silently_fresh
+from baft.recover.transfer import exchange_replicas, rebuild_shard
 from baft.store import reclaim
 from baft.store.coding import GroupLayout, Redundancy, group_layouts
 from baft.store.manifest import Manifest, chunk_records, region_records
+from baft.store.records import DiffMeta
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 
@@ -146,14 +142,14 @@ def _run_ranks(fn: Callable[[int, LocalTransport], Any], timeout_s: float = 5.0)
 def _restore(root: Path, topo: Topology, red: Redundancy) -> list[Any]:
     def rank(r: int, transport: LocalTransport) -> dict[str, Any]:
         store = _open(root, r)
-        plan, reason, _ = _agree(store, transport, topo, red, ())
-        shard = _rebuild_shard(store, transport, r, plan)
+        plan, reason, _ = agree(store, transport, topo, red, ())
+        shard = rebuild_shard(store, transport, r, plan)
         full = np.zeros(sum(SIZES.values()), np.uint8)
 
         def write(pos: int, piece: torch.Tensor) -> None:
             full[pos : pos + piece.numel()] = piece.numpy()
 
-        written = _exchange_replicas(transport, topo, r, plan, shard, write)
+        written = exchange_replicas(transport, topo, r, plan, shard, write)
         store.close()
         return {
             "plan": plan,
@@ -212,13 +208,13 @@ def test_peer_failing_mid_transfer_is_a_clear_error(tmp_path: Path) -> None:
 
     def rank(r: int, transport: LocalTransport) -> Any:
         store = _open(tmp_path, r)
-        plan, _, _ = _agree(store, transport, topo, red, ())
+        plan, _, _ = agree(store, transport, topo, red, ())
         assert plan.shards[2].kind == "parity" and plan.shards[2].holders == (3,)
         agreed.wait(5)
         if r == 3:
             transport.fail()
             return "died"
-        return _rebuild_shard(store, transport, r, plan).tobytes()
+        return rebuild_shard(store, transport, r, plan).tobytes()
 
     got = _run_ranks(rank, timeout_s=30.0)  # a hang would take the full 30 s, then fail
     assert got[3] == "died"
@@ -255,15 +251,15 @@ def _restore_on_hosts(tmp: Path, red: Redundancy, hosts: dict[int, str]) -> list
     def rank(r: int, transport: LocalTransport) -> dict[str, Any]:
         own = SnapshotStore(tmp / hosts[r], JOB, TOPO2.node_of(r), r, 1 << 22)
         stores = HostStores(own, hosts[r])
-        plan, reason, located = _agree(stores, transport, TOPO2, red, ())
-        shard = _rebuild_shard(stores, transport, r, plan)
+        plan, reason, located = agree(stores, transport, TOPO2, red, ())
+        shard = rebuild_shard(stores, transport, r, plan)
         full = np.zeros(sum(SIZES.values()), np.uint8)
 
         def write(pos: int, piece: torch.Tensor) -> None:
             full[pos : pos + piece.numel()] = piece.numpy()
 
-        _exchange_replicas(transport, TOPO2, r, plan, shard, write)
-        reclaimed = _reclaim(stores, transport, TOPO2, plan, located)
+        exchange_replicas(transport, TOPO2, r, plan, shard, write)
+        reclaimed = reclaim_stores(stores, transport, TOPO2, plan, located)
         stores.drop_read_caches()
         return {"plan": plan, "reason": reason, "full": full.tobytes(), "reclaimed": reclaimed}
 
@@ -373,14 +369,14 @@ def test_one_machine_two_store_roots_restores_the_wiped_node_from_the_other_root
         own = SnapshotStore(root, JOB, TOPO2.node_of(r), r, 1 << 22)
         location, _ = find_same_host_peers(transport, own.path, root, TOPO2, host="m")
         stores = HostStores(own, location)
-        plan, reason, _ = _agree(stores, transport, TOPO2, red, ())
-        shard = _rebuild_shard(stores, transport, r, plan)
+        plan, reason, _ = agree(stores, transport, TOPO2, red, ())
+        shard = rebuild_shard(stores, transport, r, plan)
         full = np.zeros(sum(SIZES.values()), np.uint8)
 
         def write(pos: int, piece: torch.Tensor) -> None:
             full[pos : pos + piece.numel()] = piece.numpy()
 
-        _exchange_replicas(transport, TOPO2, r, plan, shard, write)
+        exchange_replicas(transport, TOPO2, r, plan, shard, write)
         stores.drop_read_caches()
         return {"plan": plan, "reason": reason, "full": full.tobytes(), "at": location}
 
@@ -487,8 +483,11 @@ def test_only_the_first_young_rotation_lets_a_job_start_over(
             for x in located.stores
         ],
     )
-    meta = {v: {"k": 3, "first_version": first} for v in range(first, newest + 1)}
-    monkeypatch.setattr(startover, "diff_meta", lambda _: meta)
+    meta = {
+        v: DiffMeta(k=3, slice=v % 3, first_version=first, has_record=True, payload_nbytes=1)
+        for v in range(first, newest + 1)
+    }
+    monkeypatch.setattr(startover, "diff_metas", lambda _: meta)
     if not allowed:
         with pytest.raises(RestoreError, match="refusing to start over silently"):
             never_silently_fresh(FRESH, "why", located, run_dir, False, 0, began_by=began_by)
@@ -523,7 +522,7 @@ def test_snapshots_of_other_pp_dp_tp_sizes_are_an_error_on_every_rank(tmp_path: 
     other = Topology(num_pp=2, num_dp=2, ranks_per_node=1)
 
     def rank(r: int, transport: LocalTransport) -> Any:
-        return _agree(_open(tmp_path, r), transport, other, red, ())
+        return agree(_open(tmp_path, r), transport, other, red, ())
 
     got = _run_ranks(rank)
     assert all(isinstance(g, TopologyMismatchError) for g in got), got

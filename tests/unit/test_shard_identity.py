@@ -16,7 +16,7 @@ from baft.engine.local_transport import LocalTransport
 from baft.pipeline.layout import FSDP_HELP, check_replica_layouts, placement_of
 from baft.pipeline.state import TensorInfo, TrainingState, _layout_digest
 from baft.recover.identity import ShardIdentityError, check_identity, shard_records
-from baft.recover.runtime import _agree
+from baft.recover.inventory import agree
 from baft.store.coding import Redundancy, group_layouts
 from baft.store.manifest import Manifest, chunk_records, region_records
 from baft.store.shm import SnapshotStore
@@ -117,7 +117,7 @@ def _records(root: Path, topo: Topology, red: Redundancy) -> list:
 
     def run(r: int) -> None:
         store = SnapshotStore(root, "job", r, r, 1 << 20)
-        plan, _, located = _agree(store, transports[r], topo, red, ())
+        plan, _, located = agree(store, transports[r], topo, red, ())
         out[r] = (plan.version, shard_records(located.stores, [plan.version]))
         store.close()
 

@@ -1,4 +1,4 @@
-"""Background persistence of snapshot versions as standard DCP checkpoints.
+"""The disk tier: snapshot versions as standard DCP checkpoints, beside the memory tier.
 
 Every N committed versions the engine hands one version's flat state (canonical FQNs,
 tensors that are views of snapshot buffers, DTensors for TP shards) to a
@@ -19,6 +19,11 @@ at any point leaves either the previous ``latest`` or a complete new checkpoint.
 Deleting goes the other way round (marker first), so a half-deleted checkpoint is a
 partial one. Saves are collective: every rank calls :meth:`Persister.save_async` for
 the same versions in the same order.
+
+Recovery loads from here (:func:`load_version`) as it reads the memory tier
+(:mod:`baft.store.shm`). TP shards are saved and loaded as the DTensors they belong to,
+described by a :class:`ShardLayout` (``baft.pipeline.layout.GlobalLayout`` is one), so
+this tier imports nothing above the store.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,9 +49,6 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
-
-from baft.engine.transport import destroy_group
-from baft.pipeline.layout import GlobalLayout, as_dtensors
 
 COMPLETE_MARKER = ".complete"
 """File inside a version directory that marks the checkpoint complete."""
@@ -59,6 +61,53 @@ META_FORMAT = 1
 
 _log = logging.getLogger(__name__)
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
+
+
+class ShardLayout(Protocol):
+    """Where a rank-local tensor sits in its DTensor (a TP shard): what the disk tier
+    needs to save and load it as that DTensor. :class:`baft.pipeline.layout.GlobalLayout`
+    is one."""
+
+    @property
+    def mesh(self) -> Any: ...
+    @property
+    def placements(self) -> tuple[Any, ...]: ...
+    @property
+    def shape(self) -> torch.Size: ...
+    @property
+    def stride(self) -> tuple[int, ...]: ...
+
+
+def as_dtensors(
+    state: Mapping[str, torch.Tensor], layouts: Mapping[str, ShardLayout]
+) -> dict[str, torch.Tensor]:
+    """``state`` with every plain tensor named in ``layouts`` wrapped, without a copy or a
+    collective, as the DTensor whose local shard it is. baft snapshots rank-local bytes;
+    DCP must see TP shards as DTensors, else the shards of one tensor are same-named
+    plain tensors and DCP keeps one of them (every other TP rank restores its bytes)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        g = layouts.get(key)
+        out[key] = (
+            t
+            if g is None or isinstance(t, DTensor)
+            else DTensor.from_local(
+                t, g.mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride
+            )
+        )
+    return out
+
+
+def _forget_group(group: ProcessGroup | None) -> None:
+    """Destroy the group this persister made for itself, now (not collective); the
+    caller drops its own reference too (see :func:`baft.engine.transport.destroy_group`
+    for why both matter at interpreter exit)."""
+    if group is None:
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # already forgotten: the user destroyed every group first
+        pass
 
 
 def persist_name(flat_name: str) -> str:
@@ -217,7 +266,7 @@ def load_version(
     version: int,
     state: dict[str, torch.Tensor],
     process_group: ProcessGroup | None = None,
-    layouts: Mapping[str, GlobalLayout] | None = None,
+    layouts: Mapping[str, ShardLayout] | None = None,
 ) -> dict[str, Any]:
     """Load complete checkpoint ``version`` in place into ``state``; return its metadata.
 
@@ -407,7 +456,7 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._last_version: int | None = None
         self._closed = False
-        self.layouts: dict[str, GlobalLayout] = {}
+        self.layouts: Mapping[str, ShardLayout] = {}
         """DCP key -> the DTensor its (rank-local) tensor is a shard of: saved as that
         DTensor (TP shards); set by the engine."""
 
@@ -465,7 +514,7 @@ class Persister:
             self._thread = None
         if self._owns_group:
             group, self._group = self._group, None
-            destroy_group(group)
+            _forget_group(group)
 
     def _check_args(
         self,

@@ -1,0 +1,228 @@
+"""Inventory and agreement: which stores of the job this host holds, and one plan for all.
+
+- :class:`HostStores`: every store directory of the job in this host's store root (the
+  rank's own, and any left by an earlier rank numbering), each inventoried by one rank of
+  the host (``reader_of``). A shard is known by what it holds (the manifest's rank and
+  ``(pp, dp, tp)``), not by who reads it.
+- :func:`agree`: inventories are all-gathered on the checkpoint group and every rank runs
+  the pure coordinator on the same inputs, so all reach the same :class:`RecoveryPlan`.
+  Only the bytes the plan reads are checksummed (:func:`verify_reads`) unless that finds
+  a problem; then every checksum is recomputed and the plan made again.
+- :func:`reclaim_stores`: after the restore, stores no current rank writes and no later restore
+  needs are freed.
+
+Collectives run on the transport seam only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from baft.engine.transport import Transport
+from baft.recover.coordinator import (
+    Located,
+    LocatedInventory,
+    RecoveryPlan,
+    StoreRef,
+    coordinate_located,
+    reader_of,
+)
+from baft.recover.differential import RestoreError
+from baft.store import reclaim as reclaim_jobs
+from baft.store.coding import Redundancy
+from baft.store.manifest import RankInventory, mismatches
+from baft.store.paths import find_stores, job_path
+from baft.store.shm import SnapshotStore, StoreReadError
+from baft.topology import Topology
+
+log = logging.getLogger("baft")
+
+
+class HostStores:
+    """The stores of one job this process may read: its own, and with a ``host`` every
+    other rank directory of the job in this host's store root (shards left by an earlier
+    rank numbering, or by ranks now on this host). Without a host only the own store
+    counts (each rank its own failure domain, as tests that share one root play it)."""
+
+    def __init__(self, own: SnapshotStore, host: str | None = None) -> None:
+        self.own = own
+        self.host = host if host is not None else f"rank{own.rank}"
+        self.scan = host is not None
+        self._open: dict[tuple[int, int], SnapshotStore] = {}
+
+    def refs(self) -> list[StoreRef]:
+        """Every store directory of the job on this host (the own one if it exists)."""
+        if not self.scan:
+            return [self._ref(self.own.node, self.own.rank)] if self.own.path.exists() else []
+        job = job_path(self.own.root, self.own.job_id)
+        return [self._ref(a.node, a.rank) for a in find_stores(job) if a.job_id == self.own.job_id]
+
+    def _ref(self, node: int, rank: int) -> StoreRef:
+        return StoreRef(self.host, node, rank)
+
+    def get(self, ref: StoreRef | None) -> SnapshotStore:
+        """The store ``ref`` names (None: the own store)."""
+        if ref is None or (ref.node, ref.rank) == (self.own.node, self.own.rank):
+            return self.own
+        if ref.host != self.host:
+            raise RestoreError(f"rank {self.own.rank} on {self.host} cannot read store {ref}")
+        key = (ref.node, ref.rank)
+        if key not in self._open:
+            self._open[key] = SnapshotStore(self.own.root, self.own.job_id, ref.node, ref.rank, 0)
+        return self._open[key]
+
+    def inventories(
+        self, refs: list[StoreRef], verify: bool
+    ) -> list[tuple[StoreRef, RankInventory]]:
+        return [(ref, self.get(ref).inventory(verify=verify)) for ref in refs]
+
+    def drop_read_caches(self) -> None:
+        self.own.drop_read_cache()
+        for s in self._open.values():
+            s.close()
+        self._open.clear()
+
+
+def as_host_stores(stores: SnapshotStore | HostStores) -> HostStores:
+    """``stores`` as :class:`HostStores` (a bare store: its own failure domain)."""
+    return stores if isinstance(stores, HostStores) else HostStores(stores)
+
+
+def agree(
+    stores: SnapshotStore | HostStores,
+    transport: Transport,
+    topology: Topology,
+    redundancy: Redundancy,
+    persisted: tuple[int, ...],
+) -> tuple[RecoveryPlan, str, Located]:
+    """Agree on a RecoveryPlan, checksumming only the bytes the plan will read.
+
+    The hosts of all ranks are gathered first; each store on a host is then inventoried by
+    one rank (``reader_of``: its own rank if that runs there, else the host's lowest).
+    Round 1 trusts every complete manifest, plans, and each rank verifies just what the
+    plan reads from the stores it reads (a local shard, the ranges and regions it sends).
+    If all of that is clean the plan stands; otherwise round 2 verifies everything and
+    plans again. A rank crash thus checks one shard per rank instead of both slots of
+    data and redundancy (4x fewer bytes), and a bad byte still never gets through.
+    Collective over ``transport``.
+    """
+    host_stores = as_host_stores(stores)
+    me = transport.rank
+    hosts = dict(enumerate(transport.all_gather_object(host_stores.host)))
+    mine = [ref for ref in host_stores.refs() if reader_of(ref, hosts) == me]
+    light = [(ref, claim(inv)) for ref, inv in host_stores.inventories(mine, verify=False)]
+    located = Located(hosts, gathered(transport.all_gather_object(light)))
+    plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
+    problems = verify_reads(host_stores, me, plan) if plan.source == "memory" else []
+    if not any(transport.all_gather_object(problems)):
+        return plan, reason, located
+    located = reinventory(host_stores, transport, located)
+    plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
+    return plan, reason, located
+
+
+def reinventory(stores: HostStores, transport: Transport, located: Located) -> Located:
+    """Every store this rank reads inventoried again with every checksum, gathered.
+    Collective."""
+    mine = [ref for ref in stores.refs() if reader_of(ref, located.hosts) == transport.rank]
+    full = stores.inventories(mine, verify=True)
+    return Located(located.hosts, gathered(transport.all_gather_object(full)))
+
+
+def gathered(per_rank: list[Any]) -> list[LocatedInventory]:
+    """Every rank's ``(store, inventory)`` pairs, flattened."""
+    return [LocatedInventory(ref, inv) for part in per_rank for ref, inv in part]
+
+
+def claim(inv: RankInventory) -> RankInventory:
+    """An unverified inventory whose complete versions are taken at their word."""
+    versions = tuple(
+        dataclasses.replace(v, verified=True, data_ok=True, bad_regions=())
+        if v.state == "complete" and v.manifest is not None
+        else v
+        for v in inv.versions
+    )
+    return dataclasses.replace(inv, versions=versions)
+
+
+def _reads(
+    rank: int, plan: RecoveryPlan
+) -> tuple[set[tuple[StoreRef | None, int]], dict[tuple[StoreRef | None, int], set[int]]]:
+    """The (store, slot)s whose shard this rank reads for ``plan``, and the redundancy
+    regions it reads per (store, slot)."""
+    data_slots: set[tuple[StoreRef | None, int]] = set()
+    region_ids: dict[tuple[StoreRef | None, int], set[int]] = {}
+    src = plan.shards.get(rank)
+    if src is not None and src.kind == "local" and src.slot is not None:
+        data_slots.add((src.store, src.slot))
+    for t in plan.transfers:
+        if t.src_rank == rank and t.kind == "shard":
+            data_slots.add((t.src_store, t.src_slot))
+        elif t.src_rank == rank:
+            region_ids.setdefault((t.src_store, t.src_slot), set()).add(t.region_id)
+    return data_slots, region_ids
+
+
+def verify_reads(stores: HostStores, rank: int, plan: RecoveryPlan) -> list[str]:
+    """Checksum the store bytes this rank reads for ``plan``; returns the problems."""
+    data_slots, region_ids = _reads(rank, plan)
+    problems: list[str] = []
+    for ref, slot in sorted(data_slots | set(region_ids), key=lambda k: (str(k[0]), k[1])):
+        store = stores.get(ref)
+        where = f"rank {rank} store {ref or store.path.name} slot {slot}"
+        m = store.read_manifest(slot)
+        if m is None or m.version != plan.version:
+            problems.append(f"{where}: v{plan.version} is not there")
+            continue
+        wanted = region_ids.get((ref, slot), set())
+        try:
+            data = store.read(slot, "data", 0, m.data_nbytes) if (ref, slot) in data_slots else None
+            red = store.read(slot, "red", 0, m.red_nbytes) if wanted else None
+        except StoreReadError as err:
+            problems.append(f"{where} v{m.version}: {err}")
+            continue
+        found = mismatches(m, data, red, wanted)
+        problems += [
+            f"{where} v{m.version} chunk {c.chunk_id}: checksum mismatch" for c, _ in found.chunks
+        ]
+        problems += [
+            f"{where} v{m.version} region {r.region_id}: checksum mismatch" for r in found.regions
+        ]
+    return problems
+
+
+def reclaim_stores(
+    stores: HostStores,
+    transport: Transport,
+    topology: Topology,
+    plan: RecoveryPlan,
+    located: Located,
+) -> list[str]:
+    """Free the memory of this job's stores on this host that no current rank writes and
+    no later restore needs, once every rank is done reading: after a restore from memory,
+    the ones holding no copy of the restored version (a store holding it keeps only that
+    version, until the job's own stores commit a newer one and ``reclaim_foreign`` frees
+    it); after DCP or a fresh start, all of them. The own store of a current rank is left
+    to its engine. Stores of other jobs on this host that no live process holds and that
+    were idle long enough go too (``reclaim.reclaim_other_jobs``). Collective (one
+    small gather as a barrier); the host's lowest rank removes."""
+    transport.all_gather_object(None)  # every rank has read what it needs
+    host = stores.host
+    here = [r for r, h in located.hosts.items() if h == host]
+    if not stores.scan or min(here) != transport.rank:
+        return []
+    own = {(topology.node_of(r), r) for r in here}
+    keep_version = plan.version if plan.source == "memory" else None
+    removed = []
+    for ref in stores.refs():
+        if (ref.node, ref.rank) in own:
+            continue  # a current rank's own store on this host
+        if stores.get(ref).reclaim_unless_holding(keep_version):
+            removed.append(str(ref))
+    old_jobs = reclaim_jobs.reclaim_other_jobs(stores.own.root, stores.own.job_id)
+    removed += [f"{host}:{p.name}" for p in old_jobs]
+    if removed:
+        log.info("reclaimed %d store(s) no rank needs any more: %s", len(removed), removed)
+    return removed

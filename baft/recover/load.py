@@ -1,0 +1,97 @@
+"""Loading a restored version into a :class:`~baft.recover.restorable.Restorable`.
+
+- :func:`load_from_shards`: a full snapshot from memory: this rank's rebuilt shard and
+  its DP replicas' shards, exchanged point to point, written into the live tensors.
+- :func:`load_window`: a differential version: every payload of its window rebuilt and
+  assembled, then the newest slices loaded and the gradient records replayed
+  (:func:`baft.recover.differential.rebuild_from_payloads`).
+- :func:`load_from_disk`: a DCP checkpoint of the disk tier (:mod:`baft.store.disk`).
+
+Each ends by applying the small state (RNG, hyperparameters, ``state=`` objects), which
+travels inside the flat state; the data position is the version itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from baft.plan.payload import PayloadLayout
+from baft.recover.coordinator import RecoveryPlan
+from baft.recover.differential import DeferredState, RestoreError, rebuild_from_payloads
+from baft.recover.inventory import HostStores
+from baft.recover.restorable import Restorable
+from baft.recover.transfer import exchange_replicas, rebuild_shard
+from baft.recover.window import Window
+from baft.store.disk import check_persist_keys, load_version, read_metadata, version_dir
+
+
+def load_from_shards(engine: Restorable, plan: RecoveryPlan, shard: np.ndarray) -> None:
+    """Assemble the full flat state from the DP replicas' shards and load it. Collective."""
+    replicas = engine.topology.replicas(engine.rank)
+    total = sum(plan.shard_nbytes[r] for r in replicas)
+    flat = engine.flat
+    if total != flat.nbytes:
+        raise RestoreError(
+            f"rank {engine.rank}: shards of v{plan.version} cover {total} bytes, "
+            f"state has {flat.nbytes}"
+        )
+    with torch.no_grad():  # straight into the live tensors
+        exchange_replicas(
+            engine.transport, engine.topology, engine.rank, plan, shard, flat.write_from
+        )
+    engine.apply_small_state()
+
+
+def rebuild_payload(engine: Restorable, stores: HostStores, plan: RecoveryPlan) -> torch.Tensor:
+    """The whole stage's payload of ``plan.version``: this rank's shard (local, replica or
+    decoded) and the DP replicas' shares, assembled. Collective."""
+    shard = rebuild_shard(stores, engine.transport, engine.rank, plan)
+    total = sum(plan.shard_nbytes[r] for r in engine.topology.replicas(engine.rank))
+    out = torch.empty(total, dtype=torch.uint8)
+
+    def write(pos: int, piece: torch.Tensor) -> None:
+        out[pos : pos + piece.numel()].copy_(piece)
+
+    exchange_replicas(engine.transport, engine.topology, engine.rank, plan, shard, write)
+    return out
+
+
+def load_window(
+    engine: Restorable, window: Window, payloads: dict[int, torch.Tensor]
+) -> dict[str, Any]:
+    """Newest slices + replayed records into the live state, then the small state;
+    returns what was done (bases, steps replayed, seconds)."""
+    layout = PayloadLayout.of(engine.flat.specs(), window.k)
+    v = window.plans[-1].version
+    assert v is not None
+    t0 = time.time()
+    state = engine.state
+    done = rebuild_from_payloads(
+        layout, payloads, v, window.first_version, dict(state.named_tensors()),
+        state.optimizer, state.named_params(),
+        deferred=state if isinstance(state, DeferredState) else None,
+    )  # fmt: skip
+    engine.apply_small_state()
+    done["seconds"] = round(time.time() - t0, 6)
+    return done
+
+
+def load_from_disk(engine: Restorable, plan: RecoveryPlan, directory: str) -> None:
+    """Load DCP checkpoint ``plan.version`` of ``directory`` into the live tensors (its
+    key scheme checked first). Collective over the transport's process group."""
+    assert plan.version is not None
+    where = version_dir(directory, plan.version)
+    key = engine.persist_keys
+    check_persist_keys(read_metadata(directory, plan.version), key, str(where))
+    flat = engine.flat
+    state = {key(n): t for n, t in zip(flat.names, flat.tensors, strict=True)}
+    group = getattr(engine.transport, "group", None)  # a torch transport's process group
+    with torch.no_grad():
+        load_version(
+            directory, plan.version, state, process_group=group, layouts=engine.persist_layouts
+        )
+    engine.apply_small_state()
