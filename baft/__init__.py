@@ -10,7 +10,15 @@ from typing import Any
 
 from baft import config as _config  # no torch: records when this process imported baft
 
-__all__ = ["CheckpointConfig", "CheckpointPolicy", "protect"]
+_CONFIGS = (
+    "CheckpointConfig",
+    "CheckpointPolicy",
+    "ExchangeConfig",
+    "PersistConfig",
+    "StoreConfig",
+    "TimeoutConfig",
+)
+__all__ = [*_CONFIGS, "protect"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch.distributed
@@ -18,8 +26,6 @@ def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch
         from baft.api import protect
 
         return protect
-    if name == "CheckpointConfig":
-        return _config.CheckpointConfig
-    if name == "CheckpointPolicy":
-        return _config.CheckpointPolicy
+    if name in _CONFIGS:
+        return getattr(_config, name)
     raise AttributeError(name)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,7 @@ class Protected:
         """Process group up and model built (the rendezvous phase ends here)."""
         self._report: Any = None
         self._restored = False
+        self._faults: list[str] = []
         self._started = False
         self.own_mesh: DeviceMesh | None = None
         """The DeviceMesh protect() made (no ``device_mesh`` given): close() ends its groups."""
@@ -159,6 +160,18 @@ class Protected:
             "nothing would be checkpointed"
         )
 
+    def inject(self, faults: Sequence[str]) -> None:
+        """Arm failure injections (:mod:`baft.faults` specs such as ``kill:rank=1,iter=7``
+        or ``node:1,iter=9``) for this process: tests, demos and drills of your own loop.
+        Call before :meth:`restore`; a bad spec raises ValueError here."""
+        from baft.faults.spec import FaultSpec
+
+        if self._restored:
+            raise RuntimeError("inject() after restore(): arm faults before ft.restore()")
+        for spec in faults:
+            FaultSpec.parse(spec)
+        self._faults = list(faults)
+
     def restore(self) -> int:
         """Build the engine, recover the newest rebuildable version into the live model,
         optimizer and ``state=`` objects; returns the iteration to continue from (0 on
@@ -175,7 +188,9 @@ class Protected:
         self.runner.paused = True  # a restore may replay optimizer steps: no hooks then
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self.watchdog.section("restore"):
-            self.engine = build_engine(self.checkpoint, self.run_dir, self.mesh, self.runner)
+            self.engine = build_engine(
+                self.checkpoint, self.run_dir, self.mesh, self.runner, faults=self._faults
+            )
             resume, self._report = recover_and_start(
                 self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
             )
@@ -242,7 +257,7 @@ class Protected:
         """Finish the last commit and any background persist; stop the watchdog; give the
         schedule and optimizer back (no more hooks). Collective. Called between
         iterations on every rank (after the loop, no exception in flight), it ends the
-        job: the snapshot stores are freed unless ``CheckpointConfig.keep_stores_on_close``
+        job: the snapshot stores are freed unless ``CheckpointConfig.store.keep_on_close``
         (the log says whether the newest version is persisted to DCP); otherwise they stay
         for a restart."""
         if self.engine is not None:
@@ -289,14 +304,14 @@ def protect(
 
     ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
     ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
-    the pipeline is bounded by ``checkpoint.timeout_s`` from here on, and a watchdog
+    the pipeline is bounded by ``checkpoint.timeouts.collective_s`` from here on, and a watchdog
     ends this process when a peer freezes (see :mod:`baft.liveness.watchdog`).
     """
     check_optimizer(optimizer)
     mesh = _mesh_from(device_mesh, ranks_per_node)
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
-    ck.job_id = ck.job_id or default_job_id(run_dir)
-    ck.persist_dir = ck.persist_dir or str(Path(run_dir) / "checkpoints")
+    ck.store.job_id = ck.store.job_id or default_job_id(run_dir)
+    ck.persist.dir = ck.persist.dir or str(Path(run_dir) / "checkpoints")
     ck.validate(mesh.topology)
     modules = [s.submod for s in stages]
     check_no_sharded_replicas(modules, optimizer, dist.get_process_group_ranks(mesh.dp_group))
@@ -317,7 +332,7 @@ def protect(
     except ValueError:
         runner.close()  # the schedule and optimizer are the user's again
         raise
-    watchdog = start_watchdog(mesh, runner, ck.timeout_s, run_dir)
+    watchdog = start_watchdog(mesh, runner, ck.timeouts.collective_s, run_dir)
     protected = Protected(runner, mesh, run_dir, ck, watchdog)
     protected.own_mesh = mesh.mesh if device_mesh is None else None
     return protected

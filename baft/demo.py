@@ -19,8 +19,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.config import CheckpointConfig, TimeoutConfig
+from baft.model.config import ModelConfig
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.train.launch import launch
 
 
@@ -64,9 +66,11 @@ def run_demo(
     console.rule("[bold]2/3 protected run: checkpoint every iteration, crash a rank, lose a node")
     console.print(f"injecting: {', '.join(inject)}")
     ck = CheckpointConfig(
-        policy=CheckpointPolicy(redundancy="xor:2", persist_every=10), inject=inject, timeout_s=30.0
+        policy=CheckpointPolicy(redundancy="xor:2", persist_every=10),
+        timeouts=TimeoutConfig(collective_s=30.0),
     )
     ft_cfg = _config(out / "protected", iterations, ck)
+    ft_cfg.inject = inject
     if launch(ft_cfg) != 0:
         console.print("[red]protected run failed")
         return 1

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from baft.config import ModelConfig, ParallelConfig, TrainConfig
+from baft.model.config import ModelConfig
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.train.launch import launch
 
 

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-from baft.config import ModelConfig, ParallelConfig, TrainConfig
+from baft.model.config import ModelConfig
 from baft.profile.timeline import IterationRecord, read_timelines
 from baft.sim.simulator import StageTimes, simulate
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.train.launch import launch
 
 LAYOUTS = [("1f1b", 2, 4), ("1f1b", 2, 8), ("gpipe", 2, 8), ("1f1b", 4, 8)]

@@ -139,12 +139,12 @@ def main() -> None:
                     redundancy="replicate:1", persist_every=a.persist_every
                 ),
                 profile_iters=1,
-                cost={"copy_Bps": 1e9},  # skip the start-up copy benchmark
-                inject=a.inject,
+                cost={"copy_Bps": 1e9},  # skip the start-up copy calibration
             ),
             ranks_per_node=1,  # each rank its own failure domain
             state={"lr_scheduler": scheduler, "sampler": sampler},
         )
+        ft.inject(a.inject)  # failure drills (--inject); nothing when none is given
         start = ft.restore()  # baft: 0 on a fresh job, the restored version after a crash
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from baft.config import SCHEDULES, CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.config import CheckpointConfig
+from baft.model.config import ModelConfig
+from baft.train.config import SCHEDULES, ParallelConfig, TrainConfig
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -138,13 +140,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-restarts",
         type=int,
-        default=d_ck.max_restarts,
+        default=TrainConfig().max_restarts,
         help="torchrun restarts after failures (default %(default)s)",
     )
     g.add_argument(
         "--timeout",
         type=float,
-        default=d_ck.timeout_s,
+        default=d_ck.timeouts.collective_s,
         help="seconds before a hung peer fails the job (default %(default)s)",
     )
     g.add_argument(
@@ -155,7 +157,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--store-root",
-        default=d_ck.store_root,
+        default=d_ck.store.root,
         help="shared-memory root of the snapshot stores (default %(default)s)",
     )
     g.add_argument(
@@ -186,17 +188,17 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     )
     if not a.no_checkpoint:
         ck = CheckpointConfig.parse(a.checkpoint)
-        ck.inject = list(a.inject)
-        ck.max_restarts = a.max_restarts
-        ck.timeout_s = a.timeout
+        ck.timeouts.collective_s = a.timeout
         ck.profile_iters = a.profile_iters
-        ck.store_root = a.store_root
-        ck.persist_dir = a.persist_dir
+        ck.store.root = a.store_root
+        ck.persist.dir = a.persist_dir
         cfg.checkpoint = ck
-        if ck.inject:
+        cfg.max_restarts = a.max_restarts
+        cfg.inject = list(a.inject)
+        if cfg.inject:
             from baft.faults.spec import FaultSpec
 
-            for spec in ck.inject:
+            for spec in cfg.inject:
                 FaultSpec.parse(spec)
     elif a.inject:
         raise ValueError("--inject needs checkpointing on: drop --no-checkpoint")
@@ -219,7 +221,7 @@ def run_train(a: argparse.Namespace) -> int:
         print(f"[baft] done: {cfg.out_dir}/summary.json", flush=True)
     elif rc == 0 and cfg.checkpoint is not None:  # stopped by SIGTERM, flushed
         print(
-            f"[baft] stopped: the newest state is in {cfg.checkpoint.persist_dir}; "
+            f"[baft] stopped: the newest state is in {cfg.checkpoint.persist.dir}; "
             "--resume continues the job",
             flush=True,
         )

@@ -108,20 +108,20 @@ class RunnerState:
         self.ts.adopt_deferred()
 
 
-def make_injector(ck: CheckpointConfig, run_dir: Path, mesh: Mesh) -> Any:
-    """The fault injector of ``ck.inject`` (None when nothing is injected)."""
-    if not ck.inject:
+def make_injector(faults: Sequence[str], ck: CheckpointConfig, run_dir: Path, mesh: Mesh) -> Any:
+    """The fault injector of the ``faults`` specs (None when nothing is injected)."""
+    if not faults:
         return None
     from baft.faults.injector import FaultInjector
     from baft.faults.spec import FaultSpec
 
     injector = FaultInjector(
-        [FaultSpec.parse(s) for s in ck.inject],
+        [FaultSpec.parse(s) for s in faults],
         run_dir=run_dir,
         rank=mesh.rank,
         topology=mesh.topology,
-        store_root=Path(ck.store_root),
-        job_id=ck.job_id,
+        store_root=Path(ck.store.root),
+        job_id=ck.store.job_id,
     )
     injector.load()
     return injector
@@ -149,19 +149,25 @@ def build_engine(
     scheduling: Scheduling | None = None,
     transport: Transport | None = None,
     persist: bool = True,
+    faults: Sequence[str] = (),
 ) -> CheckpointEngine:
     """Build the engine of this rank and install it as ``runner``'s hooks. Collective.
 
     ``scheduling``: when snapshot tasks start (default :class:`BubbleAware`; a baseline
     passes :class:`~baft.engine.scheduling.AllAtStart`); ``persist=False`` builds no DCP
-    persister."""
+    persister; ``faults``: failure injections (:mod:`baft.faults` specs) the engine fires
+    at their points (tests, the demo; ``Protected.inject`` hands them here)."""
     scheduling = scheduling if scheduling is not None else BubbleAware()
     run_dir = Path(run_dir)
-    transport = transport or GlooTransport(ck.timeout_s)
+    transport = transport or GlooTransport(ck.timeouts.collective_s)
     store = SnapshotStore(
-        Path(ck.store_root), ck.job_id, mesh.topology.node_of(mesh.rank), mesh.rank, ck.budget_bytes
+        Path(ck.store.root),
+        ck.store.job_id,
+        mesh.topology.node_of(mesh.rank),
+        mesh.rank,
+        ck.store.budget_bytes,
     )
-    thread_copy = ck.snapshot_copy == "thread"
+    thread_copy = ck.exchange.snapshot_copy == "thread"
     copier = device_copy_for(mesh.device, emulated=thread_copy)
     # Copies that fit no bubble never stall the host either: with a synchronous copier
     # (CPU training) they go to a copy thread started at the iteration's start, where
@@ -169,21 +175,23 @@ def build_engine(
     spill_copier = copier if copier.asynchronous else ThreadCopy()
     # Host-side protect work waits for bubbles only when the host also computes.
     gated = mesh.device.type == "cpu" and not thread_copy and scheduling.bubble_aware
-    worker = ProtectWorker(gated=gated if ck.host_work == "auto" else ck.host_work == "bubbles")
+    worker = ProtectWorker(
+        gated=gated if ck.exchange.host_work == "auto" else ck.exchange.host_work == "bubbles"
+    )
     location, peers = find_same_host_peers(
-        transport, store.path, store.root, mesh.topology, enabled=ck.exchange == "auto"
+        transport, store.path, store.root, mesh.topology, enabled=ck.exchange.paths == "auto"
     )
     policy = ck.policy
     state = RunnerState(runner)
     persister = None
-    if persist and ck.persist_dir and (policy.persist_every or ck.flush_on_sigterm):
+    if persist and ck.persist.dir and (policy.persist_every or ck.persist.flush_on_sigterm):
         persister = Persister(
-            ck.persist_dir,
+            ck.persist.dir,
             keep_latest=policy.keep_latest,
             process_group=dist.new_group(backend="gloo"),
             owns_group=True,
             rank=mesh.rank,
-            timeout_s=ck.timeout_s * 10,
+            timeout_s=ck.timeouts.collective_s * 10,
         )
     parts = EngineParts(
         store=store,
@@ -194,10 +202,10 @@ def build_engine(
         peers=peers,
         location=location,
         persister=persister,
-        injector=make_injector(ck, run_dir, mesh),
+        injector=make_injector(faults, ck, run_dir, mesh),
         termination=(
-            Termination(max_grace_s=ck.flush_timeout_s).install()
-            if persister and ck.flush_on_sigterm
+            Termination(max_grace_s=ck.timeouts.flush_s).install()
+            if persister and ck.persist.flush_on_sigterm
             else None
         ),
         scheduling=scheduling,

@@ -2,7 +2,7 @@
 
 A job that ended cleanly (``ft.close()`` between iterations on every rank, agreed in one
 tiny MIN all-reduce) no longer needs host memory for a restart: its stores are freed
-unless ``CheckpointConfig.keep_stores_on_close`` asks to keep them (the log says whether
+unless ``CheckpointConfig.store.keep_on_close`` asks to keep them (the log says whether
 the newest committed version is persisted to DCP, i.e. whether freeing lost anything). A job that
 did not end (a crash, SIGTERM, a kill, an exception in flight at ``close()``) keeps them
 for its restart. Rank 0 records the outcome in the run directory (:data:`~baft.store.records.CLOSED_FILE`),
@@ -47,7 +47,7 @@ def decide(
         return True, f"v{committed} is persisted"
     return True, (
         f"v{committed}, the newest version, is not persisted to DCP; set "
-        "CheckpointConfig.keep_stores_on_close=True to keep it in memory"
+        "CheckpointConfig.store.keep_on_close=True to keep it in memory"
     )
 
 

@@ -93,7 +93,7 @@ class CheckpointEngine:
             rank=rank, topology=topology, store=self.store, transport=self.transport,
             copier=parts.copier, spill_copier=parts.spill_copier, worker=parts.worker,
             peers=self.peers, scheduling=parts.scheduling,
-            max_chunk_bytes=self.policy.max_chunk_bytes, timeout_s=ck.timeout_s,
+            max_chunk_bytes=self.policy.max_chunk_bytes, timeout_s=ck.timeouts.collective_s,
             injector=self.injector,
         )  # fmt: skip
         self.slots = StoreSlots(
@@ -222,7 +222,7 @@ class CheckpointEngine:
     # ------------------------------------------ what a restore needs (recover.Restorable)
     @property
     def persist_dir(self) -> str | None:
-        return self.ck.persist_dir
+        return self.ck.persist.dir
 
     @property
     def allow_fresh_start(self) -> bool:
@@ -341,7 +341,7 @@ class CheckpointEngine:
             return
         self.commit.reclaim_foreign(
             version, self.k, rank=self.rank, peers=set(self.peers), topology=self.topology,
-            job_id=self.ck.job_id,
+            job_id=self.ck.store.job_id,
         )  # fmt: skip
         lay = self.rotation.layout
         self.persisting.committed(
@@ -368,7 +368,7 @@ class CheckpointEngine:
         if self.termination is not None:
             self.termination.flushing()
         self._quiesce()
-        self.persisting.flush(iteration, self.ck.flush_timeout_s, self.ck.persist_dir)
+        self.persisting.flush(iteration, self.ck.timeouts.flush_s, self.ck.persist.dir)
         raise SystemExit(0)
 
     def _quiesce(self) -> None:
@@ -395,8 +395,8 @@ class CheckpointEngine:
         if finished is not None:
             end_of_job(
                 transport=self.transport, finished=finished, committed=self.committed,
-                store_root=self.ck.store_root, job_id=self.ck.job_id,
-                persist_dir=self.ck.persist_dir, keep=self.ck.keep_stores_on_close,
+                store_root=self.ck.store.root, job_id=self.ck.store.job_id,
+                persist_dir=self.ck.persist.dir, keep=self.ck.store.keep_on_close,
                 run_dir=self.run_dir, rank=self.rank,
             )  # fmt: skip
         self.transport.close()

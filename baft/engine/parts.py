@@ -13,11 +13,11 @@ from typing import Any, Protocol
 import torch
 
 from baft.engine.device import DeviceCopy
-from baft.store.disk import Persister, PersistKeys
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import Transport
 from baft.engine.worker import ProtectWorker
 from baft.liveness.termination import Termination
+from baft.store.disk import Persister, PersistKeys
 from baft.store.peer import PeerStore
 from baft.store.shm import SnapshotStore
 

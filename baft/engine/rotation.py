@@ -178,7 +178,7 @@ class Rotation:
         if policy.full_every >= 1:
             return policy.full_every, f"full_every={policy.full_every} (configured)"
         return auto_k(
-            plan_input.to_json(), policy, self.topology, self.redundancy, self.ck.budget_bytes
+            plan_input.to_json(), policy, self.topology, self.redundancy, self.ck.store.budget_bytes
         )
 
     # ------------------------------------------------------------------ re-plan

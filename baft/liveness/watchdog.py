@@ -5,7 +5,7 @@ kernel, a stuck collective, a swapped-out host, ``kill -STOP``) ends nothing, an
 peers wait for it. Two mechanisms turn a hang into a crash that recovery already handles:
 
 1. **Bounded waits** (:func:`bound_waits`). Every process group baft waits on gets the
-   job's timeout ``T`` (``CheckpointConfig.timeout_s``, ``--timeout``), so collectives
+   job's timeout ``T`` (``CheckpointConfig.timeouts.collective_s``, ``--timeout``), so collectives
    (DP/TP all-reduces, the checkpoint commit vote, restore broadcasts) raise after ``T``;
    pipeline and checkpoint send/receive waits pass ``T`` to ``Work.wait`` explicitly,
    because gloo does not apply a group's timeout to the wait of a point-to-point op. On

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from baft.config import ModelConfig
+from baft.model.config import ModelConfig
 from baft.model.gpt import loss_fn
 
 PARAM_GRAD = 1e-4

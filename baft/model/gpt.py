@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baft.config import ModelConfig
+from baft.model.config import ModelConfig
 
 
 class Attention(nn.Module):

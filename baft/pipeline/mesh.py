@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from baft.config import ParallelConfig
 from baft.topology import Coords, Topology
 
 
@@ -37,7 +37,19 @@ class Mesh:
     tp_mesh: DeviceMesh
 
 
-def init_mesh(parallel: ParallelConfig, timeout_s: float = 120.0) -> Mesh:
+class MeshDims(Protocol):
+    """The mesh sizes :func:`init_mesh` needs (e.g. the reference app's ParallelConfig)."""
+
+    num_pp: int
+    num_dp: int
+    num_tp: int
+    ranks_per_node: int
+
+    @property
+    def world_size(self) -> int: ...
+
+
+def init_mesh(parallel: MeshDims, timeout_s: float = 120.0) -> Mesh:
     """Initialise the default process group (from torchrun's env) and the (pp, dp, tp) mesh."""
     device = pick_device()
     if not dist.is_initialized():

@@ -111,7 +111,7 @@ def never_silently_fresh(
         seen = [
             f"the job ended cleanly at iteration {done - 1} and close() freed its stores "
             f"(v{closed.get('committed')} was not persisted to DCP; "
-            "CheckpointConfig.keep_stores_on_close was False)"
+            "CheckpointConfig.store.keep_on_close was False)"
         ]
         reason = "no DCP checkpoint of the newest version"
     if allow_fresh_start:

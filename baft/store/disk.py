@@ -184,7 +184,7 @@ def check_persist_keys(meta: dict[str, Any], keys: PersistKeys, where: str) -> N
             f"{where} keys tensors by their plain FQNs, but this job's pipeline stages share "
             f"FQNs: its stages overwrote each other's tensors in it, so it cannot be restored "
             f"(written by a baft without stage-unique keys). Delete it, or pick another "
-            f"CheckpointConfig.persist_dir, and start over (allow_fresh_start=True)"
+            f"CheckpointConfig.persist.dir, and start over (allow_fresh_start=True)"
         )
     raise ValueError(
         f"{where} keys tensors as {saved!r} (pp<i>.<fqn>: its stages shared FQNs), but "

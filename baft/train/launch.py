@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from baft.config import TrainConfig, default_job_id
+from baft.config import default_job_id
+from baft.train.config import TrainConfig
 
 log = logging.getLogger("baft")
 
@@ -86,8 +87,8 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
     ck = cfg.checkpoint
     if resume:
         if ck is not None:
-            ck.job_id = ck.job_id or default_job_id(cfg.out_dir)
-            ck.persist_dir = ck.persist_dir or str(out / "checkpoints")
+            ck.store.job_id = ck.store.job_id or default_job_id(cfg.out_dir)
+            ck.persist.dir = ck.persist.dir or str(out / "checkpoints")
         path = out / "config.json"
         path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         return path
@@ -104,10 +105,10 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
     shutil.rmtree(out / "progress", ignore_errors=True)
     shutil.rmtree(out / "logs", ignore_errors=True)
     if ck is not None:
-        ck.job_id = ck.job_id or default_job_id(cfg.out_dir)
-        ck.persist_dir = ck.persist_dir or str(out / "checkpoints")
-        shutil.rmtree(Path(ck.store_root) / ck.job_id, ignore_errors=True)
-        shutil.rmtree(ck.persist_dir, ignore_errors=True)
+        ck.store.job_id = ck.store.job_id or default_job_id(cfg.out_dir)
+        ck.persist.dir = ck.persist.dir or str(out / "checkpoints")
+        shutil.rmtree(Path(ck.store.root) / ck.store.job_id, ignore_errors=True)
+        shutil.rmtree(ck.persist.dir, ignore_errors=True)
     path = out / "config.json"
     path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return path
@@ -127,11 +128,11 @@ def launch(
     cfg.validate()
     cfg_path = prepare_run_dir(cfg, resume=resume)
     if max_restarts is None:
-        max_restarts = cfg.checkpoint.max_restarts if cfg.checkpoint else 0
+        max_restarts = cfg.max_restarts if cfg.checkpoint else 0
     cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts, worker)
     stdout = subprocess.DEVNULL if quiet else None
     ck = cfg.checkpoint
-    flush_s = ck.flush_timeout_s if ck is not None else 0.0
+    flush_s = ck.timeouts.flush_s if ck is not None else 0.0
     return run_agent(
         cmd,
         stdout=stdout,
@@ -264,7 +265,7 @@ def _flush_verdict(cfg: TrainConfig) -> bool:
     from baft.store.disk import latest_version
 
     ck = cfg.checkpoint
-    if ck is None or not ck.persist_dir:
+    if ck is None or not ck.persist.dir:
         return False
-    latest = latest_version(ck.persist_dir)
+    latest = latest_version(ck.persist.dir)
     return latest is not None and latest >= progress_seen(Path(cfg.out_dir))

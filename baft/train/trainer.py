@@ -1,7 +1,7 @@
 """The reference app's model on one rank: GPT stages (with TP), schedule, AdamW and data.
 
 :class:`Trainer` builds what a user's script would build (stage modules, pipeline stages,
-the schedule, the optimizer) from a :class:`~baft.config.TrainConfig`, and the bundled
+the schedule, the optimizer) from a :class:`~baft.train.config.TrainConfig`, and the bundled
 byte-level data; the training step itself is the library's
 :class:`~baft.pipeline.step.StepRunner` behind ``baft.protect``, the door users take. A
 run without checkpoints (no ``checkpoint``, or ``instrument`` off: the bare torch
@@ -23,12 +23,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from baft.api import Protected, protect
-from baft.config import CheckpointConfig, TrainConfig
+from baft.config import CheckpointConfig
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.model.gpt import TP_PLAN_COLWISE, TP_PLAN_ROWWISE, build_stage_module, loss_fn
 from baft.pipeline import build_schedule, stage_indices
 from baft.pipeline.mesh import Mesh
 from baft.pipeline.step import StepResult, StepRunner
+from baft.train.config import TrainConfig
 from baft.train.data import ByteDataSource
 
 __all__ = ["StepResult", "Trainer"]
@@ -59,7 +60,9 @@ class Trainer:
         )
         ck = cfg.checkpoint
         if ck is not None and cfg.compute == "emulated":
-            ck.snapshot_copy = "thread"  # the host is free while the emulated device computes
+            ck.exchange.snapshot_copy = (
+                "thread"  # the host is free while the emulated device computes
+            )
         self.ft: Protected | None = None
         """The protected loop; None when the run has no checkpoints."""
         self._watchdog: Watchdog | NoWatchdog = NoWatchdog()
@@ -74,10 +77,11 @@ class Trainer:
                 checkpoint=ck,
                 ranks_per_node=par.ranks_per_node,
             )
+            self.ft.inject(cfg.inject)
             self.runner: StepRunner = self.ft.runner
             """The library's step runner (its ``hooks`` may be swapped: see ``hooks``)."""
         else:
-            self.runner = self._bare_runner((ck or CheckpointConfig()).timeout_s)
+            self.runner = self._bare_runner((ck or CheckpointConfig()).timeouts.collective_s)
 
     def _bare_runner(self, timeout_s: float) -> StepRunner:
         """The step runner without an engine: the same loop with no checkpoints (with

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from baft.config import TrainConfig
 from baft.pipeline.mesh import init_mesh
 from baft.pipeline.step import StepResult, combine_digests
+from baft.train.config import TrainConfig
 from baft.train.progress import Progress
 from baft.train.trainer import Trainer
 
@@ -79,7 +79,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
-    timeout_s = cfg.checkpoint.timeout_s if cfg.checkpoint else 120.0
+    timeout_s = cfg.checkpoint.timeouts.collective_s if cfg.checkpoint else 120.0
     mesh = init_mesh(cfg.parallel, timeout_s=timeout_s)
     trainer = Trainer(cfg, mesh)  # builds the model and protects it through baft.protect
     out = Path(cfg.out_dir)

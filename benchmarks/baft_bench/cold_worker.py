@@ -37,10 +37,10 @@ def evict_page_cache(directory: Path) -> int:
 def persist_dir(config_json: Path) -> Path | None:
     """The DCP checkpoint directory of the run whose worker config is ``config_json``
     (``launch`` writes it there; None when the run does not persist)."""
-    from baft.config import TrainConfig
+    from baft.train.config import TrainConfig
 
     ck = TrainConfig.from_dict(json.loads(config_json.read_text())).checkpoint
-    return Path(ck.persist_dir) if ck is not None and ck.persist_dir else None
+    return Path(ck.persist.dir) if ck is not None and ck.persist.dir else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,8 +28,8 @@ from baft_bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES, PEER_MODES
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
-ENGINE_OPTIONS = ("host_work", "snapshot_copy", "exchange")
-"""CheckpointConfig fields ``--engine`` may set for the engine modes."""
+ENGINE_OPTIONS = {"host_work": "host_work", "snapshot_copy": "snapshot_copy", "exchange": "paths"}
+"""``--engine`` keys -> the :class:`baft.config.ExchangeConfig` fields they set."""
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
 """glibc malloc settings every mode runs with (the launcher keeps values already set):
 freed memory up to 32 MiB a block stays in the process instead of going back to the
@@ -151,13 +151,13 @@ class OverheadConfig:
         ck = CheckpointConfig.parse(self.checkpoint)
         if mode != "baft":  # the baselines of the engine protect the whole state
             ck.policy.full_every = 1
-        ck.store_root = self.store_root
-        ck.job_id = engine_job_id(self.out_dir, mode)
-        ck.persist_dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
+        ck.store.root = self.store_root
+        ck.store.job_id = engine_job_id(self.out_dir, mode)
+        ck.persist.dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
         if self.compute == "emulated":
-            ck.snapshot_copy = "thread"  # the host is free while the emulated device computes
+            ck.exchange.snapshot_copy = "thread"  # the host is free while the device computes
         for key, value in self.engine_options().items():
-            setattr(ck, key, value)
+            setattr(ck.exchange, ENGINE_OPTIONS[key], value)
         return ck
 
     def engine_options(self) -> dict[str, str]:
@@ -175,7 +175,8 @@ class OverheadConfig:
 
     def train_config(self) -> Any:
         """The TrainConfig every mode trains with."""
-        from baft.config import ModelConfig, ParallelConfig, TrainConfig
+        from baft.model.config import ModelConfig
+        from baft.train.config import ParallelConfig, TrainConfig
 
         return TrainConfig(
             model=ModelConfig(

@@ -39,8 +39,9 @@ def _worker(c: dict[str, Any], t_start: float) -> None:
     import torch.nn as nn
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 
-    from baft.config import ModelConfig, ParallelConfig, TrainConfig
+    from baft.model.config import ModelConfig
     from baft.pipeline.mesh import init_mesh
+    from baft.train.config import ParallelConfig, TrainConfig
     from baft.train.trainer import Trainer
 
     out = Path(c["out"])

@@ -24,8 +24,10 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.config import CheckpointConfig, TimeoutConfig
+from baft.model.config import ModelConfig
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.train.launch import WORKER, launch
 
 RESTORE_PHASES = ("inventory", "transfer_decode", "load")
@@ -45,9 +47,9 @@ def _cfg(a: Any, out: Path, inject: list[str]) -> TrainConfig:
                 f"redundancy=xor:2,persist={a.persist_every},keep=2,full_every={a.full_every}"
             ),
             profile_iters=2,
-            inject=inject,
-            timeout_s=60.0,
+            timeouts=TimeoutConfig(collective_s=60.0),
         ),
+        inject=inject,
     )
 
 
@@ -141,7 +143,7 @@ def _hang_rows(a: Any, at: int) -> list[dict[str, Any]]:
     out = Path(a.out) / "hang"
     cfg = _cfg(a, out, [f"freeze:rank=1,iter={at}"])
     assert cfg.checkpoint is not None
-    cfg.checkpoint.timeout_s = a.hang_timeout
+    cfg.checkpoint.timeouts.collective_s = a.hang_timeout
     if launch(cfg, quiet=not a.verbose) != 0:
         raise RuntimeError("the hang job failed; rerun with --verbose")
     recs = json.loads((out / "summary.json").read_text())["recoveries"]

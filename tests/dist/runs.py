@@ -7,7 +7,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from baft.config import ModelConfig, ParallelConfig, TrainConfig
+from baft.model.config import ModelConfig
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.plan.inputs import PLAN_INPUT_FILE
 from baft.train.launch import launch, launch_env, prepare_run_dir, torchrun_command
 
@@ -41,7 +42,7 @@ def run_job(
         cfg_path = prepare_run_dir(cfg)
         (Path(cfg.out_dir) / PLAN_INPUT_FILE).write_text(json.dumps(plan_input))
         assert cfg.checkpoint is not None
-        cmd = torchrun_command(cfg_path, cfg.parallel.world_size, cfg.checkpoint.max_restarts)
+        cmd = torchrun_command(cfg_path, cfg.parallel.world_size, cfg.max_restarts)
         rc = subprocess.run(cmd, env=launch_env(), stdout=subprocess.DEVNULL).returncode
     assert rc == 0, f"training failed with exit code {rc} (config {cfg})"
     out = Path(cfg.out_dir)

@@ -52,9 +52,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict[str, Any]:
     stage, schedule, module = _stage(rank, world)
     adamw = torch.optim.AdamW(module.parameters(), lr=1e-3)
     run = str(Path(root) / "run")
-    ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(persist_every=0), store_root=str(Path(root) / "shm")
-    )
+    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(persist_every=0), store=baft.StoreConfig(root=str(Path(root) / "shm")))
 
     bad_mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("pp", "dp", "x"))
     out["mesh"] = _error(
@@ -99,13 +97,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # a budget only rank 0's store fits: both ranks must fail at plan time (after the
     # profiled iteration) with rank 1's error; rank 0 must not train on into a collective
-    tight = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
-        store_root=str(Path(root) / "shm"),
-        profile_iters=1,
-        budget_bytes=400_000,
-        cost={"copy_Bps": 1e9},
-    )
+    tight = baft.CheckpointConfig(policy=baft.CheckpointPolicy(redundancy="none", persist_every=0), profile_iters=1, cost={"copy_Bps": 1e9}, store=baft.StoreConfig(root=str(Path(root) / "shm"), budget_bytes=400_000))
     ft2 = baft.protect(
         schedule=schedule,
         stages=[stage],

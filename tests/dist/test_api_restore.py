@@ -110,16 +110,9 @@ def _protect(
     import baft
 
     # the jobs here continue a finished loop from memory: keep the stores at close()
-    ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(
+    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(
             redundancy="replicate:1", persist_every=persist_every, full_every=full_every
-        ),
-        store_root=str(Path(root) / "shm"),
-        job_id="restore-test",
-        profile_iters=1,
-        cost={"copy_Bps": 1e9},
-        keep_stores_on_close=keep_stores,
-    )
+        ), profile_iters=1, cost={"copy_Bps": 1e9}, store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="restore-test", keep_on_close=keep_stores))
     return baft.protect(
         schedule=s["schedule"],
         stages=[s["stage"]],
@@ -266,7 +259,7 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     def memory_only(job: str) -> baft.CheckpointConfig:  # no parity, no DCP: cheap
         policy = baft.CheckpointPolicy(redundancy="none", persist_every=0)
-        return baft.CheckpointConfig(policy=policy, store_root=str(Path(root) / "shm"), job_id=job)
+        return baft.CheckpointConfig(policy=policy, store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id=job))
 
     ft = baft.protect(
         schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp-avg"),
@@ -306,11 +299,7 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     logging.getLogger("baft").addHandler(handler)
-    ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
-        store_root=str(Path(root) / "shm"),
-        job_id="dp-test",
-    )
+    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(redundancy="none", persist_every=0), store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="dp-test"))
     ft = baft.protect(
         schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp"),
         device_mesh=mesh, ranks_per_node=1, checkpoint=ck, average_gradients=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from baft_bench.cli import add_bench_parser, run_bench
-from baft.config import ModelConfig
+from baft.model.config import ModelConfig
 from baft.model.gpt import build_stage_module
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch", "4"]

@@ -29,7 +29,8 @@ def _trainer(rank: int, world: int, root: str) -> Any:
     """A tiny pp=2 trainer after one step (optimizer state exists); DLRover reads
     torchrun's local-rank variables, which this harness does not set."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    from baft.config import ModelConfig, ParallelConfig, TrainConfig
+    from baft.model.config import ModelConfig
+    from baft.train.config import ParallelConfig, TrainConfig
     from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
 

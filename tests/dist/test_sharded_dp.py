@@ -47,10 +47,7 @@ def _protect_dp(module: nn.Module, mesh: Any, root: str) -> Any:
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ft = None
     # never restored: no engine is built, the policy only has to be valid
-    ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
-        store_root=str(Path(root) / "shm"),
-    )
+    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(redundancy="none", persist_every=0), store=baft.StoreConfig(root=str(Path(root) / "shm")))
 
     def go() -> None:
         nonlocal ft
@@ -167,16 +164,9 @@ def _protect_pp(s: dict[str, Any], root: str, where: str, shm: str) -> Any:
     keep = {"keep_stores_on_close": True}  # continue the finished loop from memory
     if "keep_stores_on_close" not in baft.CheckpointConfig.__dataclass_fields__:
         keep = {}  # older baft: close() always kept them
-    ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(
+    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(
             redundancy="replicate:1", persist_every=1 if where == "disk" else 0
-        ),
-        store_root=str(Path(root) / shm),
-        job_id=f"identity-{where}",
-        profile_iters=1,
-        cost={"copy_Bps": 1e9},
-        **keep,  # type: ignore[arg-type]
-    )
+        ), profile_iters=1, cost={"copy_Bps": 1e9}, **keep, # type: ignore[arg-type], store=baft.StoreConfig(root=str(Path(root) / shm), job_id=f"identity-{where}"))
     return baft.protect(
         schedule=s["schedule"], stages=[s["stage"]], optimizer=s["opt"],
         run_dir=str(Path(root) / where), checkpoint=ck, ranks_per_node=1,

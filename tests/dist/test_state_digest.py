@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(120)
 def _digests(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch
 
-    from baft.config import ParallelConfig
+    from baft.train.config import ParallelConfig
     from baft.pipeline.mesh import init_mesh
     from baft.train.trainer import Trainer
     from tests.dist.runs import tiny_config

@@ -25,8 +25,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.config import CheckpointConfig, PersistConfig, StoreConfig, TimeoutConfig
+from baft.model.config import ModelConfig
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.train.launch import launch_env
 from tests.e2e.matrix import REDUNDANCY, Case
 
@@ -71,12 +73,11 @@ def gpt_config(
                 full_every=0 if case.full_every == "auto" else int(case.full_every),
             ),
             profile_iters=2,
-            store_root=str(store_root),
-            job_id=job_id,
-            persist_dir=str(out / "checkpoints"),
-            timeout_s=TIMEOUT_S,
-            max_restarts=max_restarts,
+            store=StoreConfig(root=str(store_root), job_id=job_id),
+            persist=PersistConfig(dir=str(out / "checkpoints")),
+            timeouts=TimeoutConfig(collective_s=TIMEOUT_S),
         )
+        cfg.max_restarts = max_restarts
     return cfg
 
 

@@ -28,9 +28,10 @@ from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig, TrainConfig
+from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.liveness.watchdog import read_hangs
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import TrainConfig
 from baft.train.launch import launch_env, prepare_run_dir, torchrun_command
 from tests.dist.runs import run_job, tiny_config
 
@@ -55,11 +56,11 @@ def _config(out: Path, store: Path, inject: list[str] | None = None) -> TrainCon
     cfg.checkpoint = CheckpointConfig(
         policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=1),
         profile_iters=2,
-        store_root=str(store),
-        inject=inject or [],
-        timeout_s=TIMEOUT_S,
-        max_restarts=3,
+        store=StoreConfig(root=str(store)),
+        timeouts=TimeoutConfig(collective_s=TIMEOUT_S),
     )
+    cfg.inject = inject or []
+    cfg.max_restarts = 3
     return cfg
 
 
@@ -111,7 +112,7 @@ def _run_and_freeze(cfg: TrainConfig, rank: int, at_iteration: int, delay_s: flo
     cfg_path = prepare_run_dir(cfg)
     out = Path(cfg.out_dir)
     assert cfg.checkpoint is not None
-    cmd = torchrun_command(cfg_path, cfg.parallel.world_size, cfg.checkpoint.max_restarts)
+    cmd = torchrun_command(cfg_path, cfg.parallel.world_size, cfg.max_restarts)
     log = open(out / "torchrun.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
     frozen_pid, frozen_at = None, None

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig
+from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.plan.types import CheckpointPolicy
 from tests.dist.runs import run_job, tiny_config
 
@@ -33,11 +33,11 @@ def _config(
     cfg.checkpoint = CheckpointConfig(
         policy=CheckpointPolicy(redundancy="xor:2", persist_every=2, full_every=full_every),
         profile_iters=2,
-        store_root=str(store),
-        inject=inject,
-        timeout_s=timeout_s,
-        max_restarts=4,
+        store=StoreConfig(root=str(store)),
+        timeouts=TimeoutConfig(collective_s=timeout_s),
     )
+    cfg.inject = inject
+    cfg.max_restarts = 4
     return cfg
 
 

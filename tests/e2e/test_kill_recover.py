@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig, TrainConfig
+from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.plan.inputs import PLAN_INPUT_FILE
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import TrainConfig
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -54,17 +55,18 @@ def _config(
     if store is not None:
         # full snapshots unless a test asks for differential ones: auto's choice follows
         # the measured bubbles, and a test's expected versions must not depend on them
-        options: dict[str, Any] = dict(
-            persist_every=0, profile_iters=2, max_restarts=3, full_every=1
-        )
+        options: dict[str, Any] = dict(persist_every=0, profile_iters=2, full_every=1)
         options.update(ck)
         policy = {
             k: options.pop(k) for k in list(options) if k in CheckpointPolicy.__dataclass_fields__
         }
         cfg.checkpoint = CheckpointConfig(
             policy=CheckpointPolicy(redundancy=redundancy, **policy),
-            store_root=str(store), inject=inject, timeout_s=30.0, **options,
-        )  # fmt: skip
+            store=StoreConfig(root=str(store)),
+            timeouts=TimeoutConfig(collective_s=30.0),
+            **options,
+        )
+        cfg.inject = inject
     return cfg
 
 
@@ -194,10 +196,10 @@ def test_sigterm_flushes_to_dcp_and_the_next_launch_resumes(
     done = len(metrics.read_text().splitlines())
     assert 5 <= done < 12, done  # stopped mid-run
     assert cfg.checkpoint is not None
-    latest = (Path(cfg.checkpoint.persist_dir) / "latest").read_text().strip()
+    latest = (Path(cfg.checkpoint.persist.dir) / "latest").read_text().strip()
     assert int(latest) == done  # the state after the last finished step
-    shutil.rmtree(Path(cfg.checkpoint.store_root) / cfg.checkpoint.job_id)  # hosts gone
-    cfg.checkpoint.inject = []
+    shutil.rmtree(Path(cfg.checkpoint.store.root) / cfg.checkpoint.store.job_id)  # hosts gone
+    cfg.inject = []
     resumed = run_job(cfg, resume=True)
     assert_same_training(resumed, reference, 12)
     (rec,) = resumed["summary"]["recoveries"]
@@ -263,11 +265,11 @@ def _rs_config(out: Path, store: Path | None, inject: list[str]) -> TrainConfig:
         cfg.checkpoint = CheckpointConfig(
             policy=CheckpointPolicy(redundancy="rs:2+2", persist_every=0),
             profile_iters=2,
-            store_root=str(store),
-            inject=inject,
-            timeout_s=30.0,
-            max_restarts=3,
+            store=StoreConfig(root=str(store)),
+            timeouts=TimeoutConfig(collective_s=30.0),
         )
+        cfg.inject = inject
+        cfg.max_restarts = 3
     return cfg
 
 
@@ -448,7 +450,7 @@ def test_power_loss_restores_tensor_parallel_shards_from_dcp(
     # it committed at v7's start, is joined before v8 overwrites a slot
     assert power["source"] == "disk" and power["restored_version"] == 6, power
     assert cfg.checkpoint is not None
-    persisted = Path(cfg.checkpoint.persist_dir)
+    persisted = Path(cfg.checkpoint.persist.dir)
     latest = (persisted / "latest").read_text().strip()
     meta = FileSystemReader(str(persisted / f"v{int(latest):08d}")).read_metadata()
     wq = meta.state_dict_metadata["layers.0.attn.wq.weight"]

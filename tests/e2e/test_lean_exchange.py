@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig, TrainConfig
+from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import TrainConfig
 from tests.dist.runs import run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -35,12 +36,12 @@ def _config(
             # follows the measured bubbles)
             policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=1),
             profile_iters=2,
-            store_root=str(store),
-            inject=inject,
-            timeout_s=30.0,
-            max_restarts=3,
             **ck,
+            store=StoreConfig(root=str(store)),
+            timeouts=TimeoutConfig(collective_s=30.0),
         )
+        cfg.inject = inject
+        cfg.max_restarts = 3
     return cfg
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from baft.config import CheckpointConfig
+from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.model.gpt import GPTStage
 from baft.plan.types import CheckpointPolicy
 from baft.store.disk import latest_version, version_dir
@@ -29,12 +29,11 @@ def _config(out: Path, store: Path, inject: list[str], persist_every: int):
             redundancy="xor:2", persist_every=persist_every, keep_latest=2, full_every=1
         ),
         profile_iters=2,
-        store_root=str(store),
-        inject=inject,
-        timeout_s=30.0,
         # the test compares the persisted bytes with the stores' after the job ended
-        keep_stores_on_close=True,
+        store=StoreConfig(root=str(store), keep_on_close=True),
+        timeouts=TimeoutConfig(collective_s=30.0),
     )
+    cfg.inject = inject
     return cfg
 
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig, TrainConfig
+from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.plan.types import CheckpointPolicy
+from baft.train.config import TrainConfig
 from baft.train.launch import launch_env, prepare_run_dir
 from tests.dist.runs import run_job, tiny_config
 
@@ -43,11 +44,10 @@ def _config(out: Path, store_root: Path | None, full_every: int = 1) -> TrainCon
         cfg.checkpoint = CheckpointConfig(
             policy=CheckpointPolicy(redundancy="xor:2", persist_every=0, full_every=full_every),
             profile_iters=2,
-            store_root=str(store_root),
-            job_id=JOB,
-            timeout_s=20.0,
-            max_restarts=3,
+            store=StoreConfig(root=str(store_root), job_id=JOB),
+            timeouts=TimeoutConfig(collective_s=20.0),
         )
+        cfg.max_restarts = 3
     return cfg
 
 

@@ -14,7 +14,9 @@ import pytest
 
 import baft.train.worker
 import baft_bench.recovery as recovery
-from baft.config import CheckpointConfig, ModelConfig, ParallelConfig, TrainConfig
+from baft.config import CheckpointConfig, StoreConfig
+from baft.model.config import ModelConfig
+from baft.train.config import ParallelConfig, TrainConfig
 from baft.train.launch import WORKER, prepare_run_dir
 from baft_bench import cold_worker
 
@@ -30,7 +32,7 @@ def _cfg(out: Path, checkpoint: CheckpointConfig | None) -> TrainConfig:
 
 
 def test_persist_dir_is_the_one_launch_wrote(tmp_path: Path) -> None:
-    ck = CheckpointConfig(store_root=str(tmp_path / "shm"))
+    ck = CheckpointConfig(store=StoreConfig(root=str(tmp_path / "shm")))
     path = prepare_run_dir(_cfg(tmp_path / "run", ck))
     assert cold_worker.persist_dir(path) == tmp_path / "run" / "checkpoints"
     assert cold_worker.persist_dir(prepare_run_dir(_cfg(tmp_path / "bare", None))) is None
@@ -49,7 +51,7 @@ def test_evict_counts_every_file_and_keeps_the_bytes(tmp_path: Path) -> None:
 def test_main_evicts_then_runs_the_training_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ck = CheckpointConfig(store_root=str(tmp_path / "shm"))
+    ck = CheckpointConfig(store=StoreConfig(root=str(tmp_path / "shm")))
     path = prepare_run_dir(_cfg(tmp_path / "run", ck))
     (tmp_path / "run" / "checkpoints" / "v3").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "v3" / "f").write_bytes(b"x")

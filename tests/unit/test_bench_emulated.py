@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baft.config import ModelConfig
+from baft.model.config import ModelConfig
 from baft.model.emulated import PARAM_GRAD, EmulatedStage, calibrate_stage, wrap_emulated
 from baft.model.gpt import build_stage_module, loss_fn
 

@@ -258,8 +258,12 @@ def test_engine_options_reach_every_engine_mode_and_bad_ones_are_named() -> None
     cfg.validate()
     for mode in ("naive-async", "baft-full", "baft"):
         ck = cfg.engine_checkpoint(mode)
-        assert (ck.host_work, ck.snapshot_copy, ck.exchange) == ("always", "thread", "auto")
-    assert OverheadConfig(modes=["none"]).engine_checkpoint("baft").host_work == "auto"
+        assert (ck.exchange.host_work, ck.exchange.snapshot_copy, ck.exchange.paths) == (
+            "always",
+            "thread",
+            "auto",
+        )
+    assert OverheadConfig(modes=["none"]).engine_checkpoint("baft").exchange.host_work == "auto"
     with pytest.raises(ValueError, match="key one of host_work"):
         OverheadConfig(modes=["none", "baft"], engine="budget_bytes=1").validate()
     with pytest.raises(ValueError, match="host_work must be"):

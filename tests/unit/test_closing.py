@@ -28,6 +28,6 @@ def test_unpersisted_newest_version_is_kept_only_when_asked() -> None:
     assert decide(True, 7, None, False) == (
         True,
         "v7, the newest version, is not persisted to DCP; set "
-        "CheckpointConfig.keep_stores_on_close=True to keep it in memory",
+        "CheckpointConfig.store.keep_on_close=True to keep it in memory",
     )
     assert decide(True, None, None, True) == (True, "no version was committed")

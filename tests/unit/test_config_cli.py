@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from baft.cli import main
-from baft.config import ModelConfig, ParallelConfig, TrainConfig
+from baft.model.config import ModelConfig
 from baft.model.gpt import split_layers
 from baft.topology import Topology
+from baft.train.config import ParallelConfig, TrainConfig
 
 
 @pytest.mark.parametrize(

@@ -97,8 +97,13 @@ def _build(
 ) -> tuple[list[CheckpointEngine], list[_Model]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy=replicate:1,persist=0,full_every={full_every}")
-    ck.store_root, ck.job_id, ck.timeout_s, ck.profile_iters = str(tmp / "shm"), "job", 5.0, 1
-    ck.budget_bytes = budget
+    ck.store.root, ck.store.job_id, ck.timeouts.collective_s, ck.profile_iters = (
+        str(tmp / "shm"),
+        "job",
+        5.0,
+        1,
+    )
+    ck.store.budget_bytes = budget
     transports = LocalTransport.group(WORLD, timeout_s=5.0)
     models = [_Model(r, odd_bytes) for r in range(WORLD)]
     engines = [

@@ -87,7 +87,12 @@ def _engines(
 ) -> tuple[list[CheckpointEngine], list[_State], list[Any]]:
     topo = Topology(num_pp=WORLD, num_dp=1, num_tp=1, ranks_per_node=1)
     ck = CheckpointConfig.parse(f"redundancy={redundancy},persist=0,full_every=1")
-    ck.store_root, ck.job_id, ck.timeout_s, ck.profile_iters = str(tmp / "shm"), "job", 5.0, 1
+    ck.store.root, ck.store.job_id, ck.timeouts.collective_s, ck.profile_iters = (
+        str(tmp / "shm"),
+        "job",
+        5.0,
+        1,
+    )
     transports = LocalTransport.group(WORLD, timeout_s=5.0)
     states = [_State(r) for r in range(WORLD)]
     engines = []

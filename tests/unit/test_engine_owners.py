@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from baft.store.disk import PersistKeys
 
 from baft.config import CheckpointConfig
 from baft.engine.differential import RecordCapture
@@ -17,6 +16,7 @@ from baft.engine.rotation import Rotation
 from baft.plan.inputs import bmap_to_json, layout_to_json
 from baft.plan.types import BubbleMap, Slot, StateLayout
 from baft.store.coding import Redundancy
+from baft.store.disk import PersistKeys
 from baft.store.records import PlanInput
 from baft.topology import Topology
 

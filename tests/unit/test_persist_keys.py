@@ -128,7 +128,7 @@ def test_a_restore_refuses_a_checkpoint_of_another_scheme() -> None:
         "ck/v00000004 keys tensors by their plain FQNs, but this job's pipeline stages share "
         "FQNs: its stages overwrote each other's tensors in it, so it cannot be restored "
         "(written by a baft without stage-unique keys). Delete it, or pick another "
-        "CheckpointConfig.persist_dir, and start over (allow_fresh_start=True)"
+        "CheckpointConfig.persist.dir, and start over (allow_fresh_start=True)"
     )
     with pytest.raises(ValueError) as e:
         check_persist_keys({"dcp_keys": "pp"}, PersistKeys(), "ck/v00000004")

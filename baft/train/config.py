@@ -1,0 +1,159 @@
+"""Typed configuration of the reference app (``baft train``, the demo, the harness): the
+parallel layout and schedule, and everything one training run needs. The library's own
+configuration is :mod:`baft.config` (``CheckpointConfig``); validation raises ValueError
+with the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from baft.config import CheckpointConfig
+from baft.model.config import ModelConfig
+
+__all__ = ["MULTI_STAGE_SCHEDULES", "SCHEDULES", "ModelConfig", "ParallelConfig", "TrainConfig"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")
+"""Pipeline schedules baft can run, by CLI name."""
+
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zbv", "interleaved-zb")
+"""Schedules that place several (virtual) stages on each pipeline rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Parallel layout: sizes of the (pp, dp, tp) mesh and the pipeline schedule."""
+
+    num_dp: int = 2
+    """Data-parallel replicas."""
+    num_pp: int = 2
+    """Pipeline ranks."""
+    num_tp: int = 1
+    """Tensor-parallel degree."""
+    schedule: str = "1f1b"
+    """One of SCHEDULES."""
+    num_microbatches: int = 4
+    """Microbatches per iteration per DP replica."""
+    num_virtual: int = 2
+    """Stages per pipeline rank for interleaved/zero-bubble schedules (zbv needs 2)."""
+    ranks_per_node: int = 0
+    """Ranks per simulated node (failure domain); 0 = min(2, world size)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_dp * self.num_pp * self.num_tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_virtual if self.schedule in MULTI_STAGE_SCHEDULES else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_pp * self.stages_per_rank
+
+    def validate(self, model: ModelConfig, global_batch: int) -> None:
+        for name, flag in (("num_dp", "--dp"), ("num_pp", "--pp"), ("num_tp", "--tp")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag} must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}"
+            )
+        if self.schedule == "zbv" and self.num_virtual != 2:
+            raise ValueError("zbv places exactly 2 stages on each rank: use --virtual-stages 2")
+        if self.num_virtual < 1:
+            raise ValueError("--virtual-stages must be >= 1")
+        if self.num_stages > model.num_layers:
+            raise ValueError(
+                f"{self.num_stages} pipeline stages (pp={self.num_pp} x {self.stages_per_rank} per rank) "
+                f"but only {model.num_layers} layers: use --layers >= {self.num_stages} or a smaller --pp"
+            )
+        if self.num_microbatches < 1:
+            raise ValueError("--microbatches must be >= 1")
+        if (
+            self.schedule in ("interleaved-1f1b", "interleaved-zb")
+            and self.num_microbatches % self.num_pp
+        ):
+            raise ValueError(
+                f"{self.schedule} needs --microbatches divisible by --pp ({self.num_pp}); "
+                f"try --microbatches {self.num_pp * max(1, self.num_microbatches // self.num_pp)}"
+            )
+        per_replica, rem = divmod(global_batch, self.num_dp)
+        if rem or per_replica % self.num_microbatches:
+            raise ValueError(
+                f"--batch {global_batch} must split evenly into dp={self.num_dp} replicas x "
+                f"{self.num_microbatches} microbatches: use a multiple of {self.num_dp * self.num_microbatches}"
+            )
+        model.validate(self.num_tp)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Reference model shape."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout and schedule."""
+    num_iterations: int = 40
+    """Optimizer steps to run in total (a resumed run continues up to this count)."""
+    global_batch: int = 16
+    """Sequences per iteration over all DP replicas."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    out_dir: str = "runs/latest"
+    """Where metrics.jsonl, timeline/ and summary.json go."""
+    instrument: bool = True
+    """Record slots and timelines; False runs the bare torch schedule (a baseline)."""
+    compute: str = "real"
+    """``real`` or ``emulated`` (stage forward/backward become calibrated timed waits)."""
+    emulated_times: dict[str, list[float]] | None = None
+    """For ``emulated``: ``{"fwd": [s per stage], "bwd": [s per stage]}``."""
+    checkpoint: CheckpointConfig | None = None
+    """Fault tolerance; None trains without checkpoints."""
+    max_restarts: int = 3
+    """torchrun worker-group restarts before giving up (``torchrun --max-restarts``)."""
+    inject: list[str] = field(default_factory=list)
+    """Failure injections (see :mod:`baft.faults`), e.g. ``["kill:rank=1,iter=7"]``:
+    handed to ``ft.inject`` before the restore."""
+
+    def validate(self) -> None:
+        if self.num_iterations < 1:
+            raise ValueError("--iterations must be >= 1")
+        if self.global_batch < 1:
+            raise ValueError("--batch must be >= 1")
+        if self.lr <= 0:
+            raise ValueError("--lr must be > 0")
+        if self.compute not in ("real", "emulated"):
+            raise ValueError(f"--compute must be real or emulated, got {self.compute!r}")
+        if self.compute == "emulated" and not self.emulated_times:
+            raise ValueError("compute=emulated needs emulated_times (per-stage fwd/bwd seconds)")
+        self.parallel.validate(self.model, self.global_batch)
+        if self.checkpoint is not None:
+            from baft.topology import Topology
+
+            self.checkpoint.validate(
+                Topology(
+                    num_pp=self.parallel.num_pp,
+                    num_dp=self.parallel.num_dp,
+                    num_tp=self.parallel.num_tp,
+                    ranks_per_node=self.parallel.ranks_per_node,
+                )
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        d = dict(d)
+        model = ModelConfig(**d.pop("model", {}))
+        parallel = ParallelConfig(**d.pop("parallel", {}))
+        ck = d.pop("checkpoint", None)
+        checkpoint = CheckpointConfig.from_dict(ck) if ck is not None else None
+        return cls(model=model, parallel=parallel, checkpoint=checkpoint, **d)
