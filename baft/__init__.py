@@ -10,14 +10,7 @@ from typing import Any
 
 from baft import config as _config  # no torch: records when this process imported baft
 
-_CONFIGS = (
-    "CheckpointConfig",
-    "CheckpointPolicy",
-    "ExchangeConfig",
-    "PersistConfig",
-    "StoreConfig",
-    "TimeoutConfig",
-)
+_CONFIGS = tuple(_config.__all__)
 __all__ = [*_CONFIGS, "protect"]
 
 

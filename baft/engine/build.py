@@ -23,7 +23,7 @@ from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
 from baft.engine.scheduling import BubbleAware, Scheduling
-from baft.engine.transport import GlooTransport, Transport
+from baft.engine.transport import GlooTransport, Transport, destroy_group
 from baft.engine.worker import ProtectWorker
 from baft.liveness.termination import Termination
 from baft.pipeline.layout import GlobalLayout
@@ -189,7 +189,7 @@ def build_engine(
             ck.persist.dir,
             keep_latest=policy.keep_latest,
             process_group=dist.new_group(backend="gloo"),
-            owns_group=True,
+            release_group=destroy_group,
             rank=mesh.rank,
             timeout_s=ck.timeouts.collective_s * 10,
         )

@@ -35,7 +35,7 @@ import queue
 import re
 import shutil
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,18 +96,6 @@ def as_dtensors(
             )
         )
     return out
-
-
-def _forget_group(group: ProcessGroup | None) -> None:
-    """Destroy the group this persister made for itself, now (not collective); the
-    caller drops its own reference too (see :func:`baft.engine.transport.destroy_group`
-    for why both matter at interpreter exit)."""
-    if group is None:
-        return
-    try:
-        dist.destroy_process_group(group)
-    except ValueError:  # already forgotten: the user destroyed every group first
-        pass
 
 
 def persist_name(flat_name: str) -> str:
@@ -414,8 +402,9 @@ class Persister:
     dedicated gloo group: the writer thread runs collectives on it while training
     uses its own groups. With no group and no initialized default group, saves run
     in this process alone. ``timeout_s`` is the default limit of
-    :meth:`SaveHandle.wait` and of the given group's collectives. ``owns_group``:
-    :meth:`shutdown` destroys ``process_group`` (one made for this persister alone).
+    :meth:`SaveHandle.wait` and of the given group's collectives. ``release_group``:
+    :meth:`shutdown` hands ``process_group`` to it (one made for this persister alone:
+    the transport's ``destroy_group``) and drops its own reference.
     """
 
     def __init__(
@@ -426,7 +415,7 @@ class Persister:
         process_group: ProcessGroup | None = None,
         rank: int,
         timeout_s: float = 300.0,
-        owns_group: bool = False,
+        release_group: Callable[[ProcessGroup], None] | None = None,
     ) -> None:
         if keep_latest < 1:
             raise ValueError(
@@ -447,7 +436,7 @@ class Persister:
         self.rank = rank
         self.timeout_s = timeout_s
         self._group = process_group
-        self._owns_group = owns_group
+        self._release_group = release_group
         if process_group is not None and self._distributed:
             # A group made without a timeout waits torch's default (30 min on gloo) in
             # its collectives; a frozen peer must fail a save within ``timeout_s``.
@@ -512,9 +501,10 @@ class Persister:
                     f"the process group timeout bounds how long it can hang"
                 )
             self._thread = None
-        if self._owns_group:
+        if self._release_group is not None:
             group, self._group = self._group, None
-            _forget_group(group)
+            if group is not None:
+                self._release_group(group)
 
     def _check_args(
         self,

@@ -161,12 +161,17 @@ def _two_stages(rank: int, world: int, mark_dtype: torch.dtype) -> dict[str, Any
 def _protect_pp(s: dict[str, Any], root: str, where: str, shm: str) -> Any:
     import baft
 
-    keep = {"keep_stores_on_close": True}  # continue the finished loop from memory
-    if "keep_stores_on_close" not in baft.CheckpointConfig.__dataclass_fields__:
-        keep = {}  # older baft: close() always kept them
-    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(
+    ck = baft.CheckpointConfig(
+        policy=baft.CheckpointPolicy(
             redundancy="replicate:1", persist_every=1 if where == "disk" else 0
-        ), profile_iters=1, cost={"copy_Bps": 1e9}, **keep, # type: ignore[arg-type], store=baft.StoreConfig(root=str(Path(root) / shm), job_id=f"identity-{where}"))
+        ),
+        profile_iters=1,
+        cost={"copy_Bps": 1e9},
+        # keep_on_close: continue the finished loop from memory
+        store=baft.StoreConfig(
+            root=str(Path(root) / shm), job_id=f"identity-{where}", keep_on_close=True
+        ),
+    )
     return baft.protect(
         schedule=s["schedule"], stages=[s["stage"]], optimizer=s["opt"],
         run_dir=str(Path(root) / where), checkpoint=ck, ranks_per_node=1,
