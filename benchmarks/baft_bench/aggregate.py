@@ -342,7 +342,7 @@ def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dic
         "wall_s": raw.get("wall_s"),
         "launches": len(strata),
         "launch_rounds": strata,
-        "design": design_summary(len(modes), raw["config"]["num_blocks"]),
+        "design": design_summary(len(modes), strata[0]),
         "bootstrap": {
             "resamples": RESAMPLES,
             "seed": SEED,

@@ -22,6 +22,7 @@ from typing import Any
 import baft_bench.recovery as recovery_bench
 import baft_bench.scale as scale_bench
 from baft_bench.overhead import ALL_MODES, OverheadConfig
+from baft_bench.stats import default_rounds, format_ci
 
 DEFAULT_RESULTS_DIR = "benchmarks/results"
 """Where result pages go, relative to the working directory."""
@@ -64,7 +65,8 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add("--heads", type=int, default=d.num_heads, help="attention heads (default %(default)s)")
     add("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
     add("--batch", type=int, default=d.global_batch, help="global batch (default %(default)s)")
-    add("--blocks", type=int, default=d.num_blocks, help="blocks per mode (default %(default)s)")
+    add("--blocks", type=int, default=None, help="rounds per launch, one block per mode each (default: whole Williams designs, n rounds for n modes, 2n for odd n, at least 8; fewer or a non-multiple is unbalanced and says so)")  # fmt: skip
+    add("--launches", type=int, default=1, help="fresh torchrun launches whose rounds are pooled (default %(default)s)")  # fmt: skip
     add("--block-iters", type=int, default=d.block_iters, help="iterations per block (default %(default)s)")  # fmt: skip
     add("--switch-iters", type=int, default=d.num_switch_iters, help="unmeasured iterations after each switch (default %(default)s)")  # fmt: skip
     add("--warmup", type=int, default=d.num_warmup, help="unmeasured iterations at the start and per mode (default %(default)s)")  # fmt: skip
@@ -88,6 +90,12 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(a: argparse.Namespace) -> OverheadConfig:
     """The validated ``OverheadConfig`` of parsed ``bench overhead`` flags."""
+    modes = _modes(a)
+    if getattr(a, "launches", 1) < 1:
+        raise ValueError("--launches must be >= 1")
+    a.blocks, note = default_rounds(len(modes), a.blocks)
+    if note:
+        print(f"[bench] note: {note}", file=sys.stderr)
     cfg = OverheadConfig(
         num_pp=a.pp,
         num_dp=a.dp,
@@ -102,7 +110,7 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
         block_iters=a.block_iters,
         num_switch_iters=a.switch_iters,
         num_warmup=a.warmup,
-        modes=_modes(a),
+        modes=modes,
         compute=a.compute,
         emulated_ms=getattr(a, "emulated_ms", ""),
         out_dir=a.out,
@@ -137,7 +145,8 @@ def command_line(a: argparse.Namespace) -> str:
         ("--pp", a.pp), ("--dp", a.dp), ("--schedule", a.schedule),
         ("--microbatches", a.microbatches), ("--layers", a.layers), ("--d-model", a.d_model),
         ("--heads", a.heads), ("--seq-len", a.seq_len), ("--batch", a.batch),
-        ("--blocks", a.blocks), ("--block-iters", a.block_iters),
+        ("--blocks", a.blocks), ("--launches", a.launches if a.launches != 1 else None),
+        ("--block-iters", a.block_iters),
         ("--switch-iters", a.switch_iters), ("--warmup", a.warmup), ("--modes", a.modes),
         ("--compute", a.compute), ("--emulated-ms", getattr(a, "emulated_ms", "") or None),
         ("--ranks-per-node", a.ranks_per_node),
@@ -152,12 +161,13 @@ def command_line(a: argparse.Namespace) -> str:
 
 def _print_table(result: dict[str, Any]) -> None:
     print(f"sync_snapshot_fraction: {result['sync_snapshot_fraction']:.3f} ({result['compute']})")
-    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'wall ratio':>10} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
+    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'wall ratio':>10} {'paired wall ratio [95% CI]':>27} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
     for name, m in result["modes"].items():
         frac = m["in_bubble_fraction"]
+        ci = format_ci(m.get("paired_wall_ratio_vs_none"), m.get("ci_low"), m.get("ci_high"))
         print(
             f"{name:<12} {m['median_iter_s'] * 1e3:9.1f} {m['ratio_vs_none']:7.3f} "
-            f"{m['wall_ratio_vs_none']:10.3f} "
+            f"{m['wall_ratio_vs_none']:10.3f} {ci:>27} "
             f"{m['exposed_s'] * 1e3:11.1f} {'-' if frac is None else f'{frac:.2f}':>10} "
             f"{m['bytes_per_iter'] / 2**20:9.1f}"
         )
@@ -168,7 +178,7 @@ def run_overhead(a: argparse.Namespace) -> int:
     from baft_bench.command import measure_overhead, write_results
 
     cfg = config_from_args(a)
-    result, raw = measure_overhead(cfg, timeout_s=a.timeout)
+    result, raw = measure_overhead(cfg, timeout_s=a.timeout, launches=a.launches)
     if not a.no_results:
         path = write_results(result, raw, Path(a.results_dir), command_line(a))
         print(f"[bench] wrote {path}", file=sys.stderr)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from baft_bench.aggregate import COMPONENTS, summarize
+from baft_bench.aggregate import COMPONENTS, HEADLINE, pool_launches, summarize
 from baft_bench.overhead import (
     ALLOCATOR_ENV,
     ENGINE_MODES,
@@ -27,6 +27,7 @@ from baft_bench.overhead import (
     OverheadConfig,
     engine_job_id,
 )
+from baft_bench.stats import format_ci, noise_words
 
 
 def engine_import_error() -> str | None:
@@ -153,16 +154,14 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
         f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
         f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
-        f"- blocks: {cfg['num_blocks']} x {cfg['block_iters']} measured iterations per mode, "
-        f"interleaved, each round in another order (Williams design); "
-        f"{cfg['num_switch_iters']} unmeasured after each switch",
+        *_design_lines(result),
         "- state per rank (model + AdamW): "
         + ", ".join(f"{b / 2**20:.1f} MiB" for b in result["state_bytes_per_rank"]),
         f"- sync_snapshot_fraction: {_fmt(result['sync_snapshot_fraction'], '.3f')} "
         f"(one synchronous copy_ of the state, {result['snapshot_s'] * 1e3:.1f} ms, "
         "over the median `none` iteration)",
         "",
-        f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none | paired ratio "
+        f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none [95% CI] | paired ratio "
         "| wall ms / iter | wall ratio | paired wall ratio "
         "| exposed ckpt (ms) | in-bubble fraction | MiB protected / iter | iterations |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -170,15 +169,17 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     for name, m in result["modes"].items():
         lines.append(
             f"| {name}{' (EMULATED)' if emulated else ''} | {_fmt(m['median_iter_s'], '.1f', 1e3)} "
-            f"| {_fmt(m['iqr_iter_s'], '.1f', 1e3)} | {_fmt(m['ratio_vs_none'], '.3f')} "
-            f"| {_fmt(m.get('paired_ratio_vs_none'), '.3f')} "
+            f"| {_fmt(m['iqr_iter_s'], '.1f', 1e3)} | {_ratio_cell(m, 'ratio_vs_none')} "
+            f"| {_ratio_cell(m, 'paired_ratio_vs_none')} "
             f"| {_fmt(m.get('wall_per_iter_s'), '.1f', 1e3)} "
-            f"| {_fmt(m.get('wall_ratio_vs_none'), '.3f')} "
-            f"| {_fmt(m.get('paired_wall_ratio_vs_none'), '.3f')} "
+            f"| {_ratio_cell(m, 'wall_ratio_vs_none')} "
+            f"| {_ratio_cell(m, 'paired_wall_ratio_vs_none')} "
             f"| {_fmt(m['exposed_s'], '.1f', 1e3)} | {_fmt(m['in_bubble_fraction'], '.2f')} "
             f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
         )
     lines.append("")
+    lines += _noise_lines(result)
+    lines += _extra_lines(result)
     lines += _component_lines(result)
     for name, why in result.get("skipped", {}).items():
         lines.append(f"- skipped `{name}`: {why}")
@@ -201,7 +202,9 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     lines += [
         "- ratio vs none: ratio of medians (per iteration, the max over ranks); paired "
         "ratio: median over rounds of the block median over the `none` block median of the "
-        "same round (robust to drifting load).",
+        "same round (robust to drifting load). Every ratio shows `value x [low, high]`: "
+        "the 95% percentile bootstrap interval over rounds (rounds resampled with "
+        "replacement within each launch, 2000 resamples, seeded).",
         "- wall ms / iter: the pace (each rank runs a block's iterations back to back: its "
         "block wall time over the block's iterations, mean over ranks, mean over blocks); "
         "wall ratio: that over `none`'s; paired wall ratio: median over rounds of the block "
@@ -217,6 +220,100 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     if plot:
         lines += [f"![iteration times per mode]({plot})", ""]
     return "\n".join(lines)
+
+
+def _ratio_cell(m: dict[str, Any], name: str) -> str:
+    """A ratio with its interval: ``1.015x [1.004, 1.027]``."""
+    low, high = (m.get("ci") or {}).get(name) or (None, None)
+    return format_ci(m.get(name), low, high)
+
+
+def _design_lines(result: dict[str, Any]) -> list[str]:
+    """How many launches and rounds, and how balanced the order of the modes was."""
+    cfg = result["config"]
+    per_launch = result.get("launch_rounds") or [cfg["num_blocks"]]
+    design = result.get("design") or {}
+    launches = (
+        "one launch"
+        if len(per_launch) == 1
+        else f"{len(per_launch)} launches, each a fresh torchrun job, of "
+        + "/".join(str(r) for r in per_launch)
+        + " rounds, pooled"
+    )
+    return [
+        f"- rounds: {sum(per_launch)} ({launches}), each round one block of "
+        f"{cfg['block_iters']} measured iterations per mode, interleaved, each round in "
+        f"another order (Williams design: {design.get('note', 'balance not recorded')}); "
+        f"{cfg['num_switch_iters']} unmeasured after each switch",
+    ]
+
+
+def _noise_lines(result: dict[str, Any]) -> list[str]:
+    """Per mode in words: is its difference to `none` and to naive-async resolved?"""
+    lines = []
+    for name, m in result["modes"].items():
+        if name == "none" or m.get("ci_low") is None:
+            continue
+        parts = [
+            f"vs `none` {format_ci(m.get(HEADLINE), m.get('ci_low'), m.get('ci_high'))}: "
+            + noise_words(m.get("ci_low"), m.get("ci_high"))
+        ]
+        for ref, v in (m.get("vs") or {}).items():
+            if ref != "none":
+                parts.append(
+                    f"vs `{ref}` {format_ci(v['paired_wall_ratio'], v['ci_low'], v['ci_high'])}: "
+                    + noise_words(v["ci_low"], v["ci_high"])
+                )
+        launches = m.get("per_launch") or []
+        if launches:
+            parts.append(
+                "per launch "
+                + ", ".join(format_ci(x[HEADLINE], x["ci_low"], x["ci_high"]) for x in launches)
+            )
+        lines.append(f"- `{name}` (paired wall ratio): " + "; ".join(parts))
+    if not lines:
+        return []
+    return ["Is the difference resolved? (paired wall ratio, 95% CI over rounds)", "", *lines, ""]
+
+
+def _mib(values: Any) -> str:
+    """Per-rank bytes as MiB, ``/``-separated; ``-`` when not measured."""
+    if not isinstance(values, list) or not values:
+        return "-"
+    return " / ".join(_fmt(v, ".0f", 2**-20) for v in values)
+
+
+def _extra_lines(result: dict[str, Any]) -> list[str]:
+    """Memory per rank, whether the newest checkpoint restores, the transport and K per
+    mode, and the peer libraries' versions: when the run recorded them."""
+    modes = result["modes"]
+    keys = ("memory", "restores", "transport", "k")
+    lines = []
+    versions = result.get("peer_versions") or {}
+    ks = {n: m["k"] for n, m in modes.items() if m.get("k") is not None}
+    if versions or ks:
+        lines.append(
+            "- peer library versions: "
+            + (", ".join(f"{lib} {v}" for lib, v in versions.items()) or "none recorded")
+            + "; K (full_every) chosen: "
+            + (", ".join(f"`{n}` {k}" for n, k in ks.items()) or "not recorded")
+        )
+    if any(k in m for m in modes.values() for k in keys):
+        lines += [
+            "",
+            "Memory per rank (MiB, rank 0 / rank 1 / ...), restore check and transport:",
+            "",
+            "| mode | peak RSS MiB | shared memory MiB | CUDA peak MiB | restores | transport | K |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, m in modes.items():
+            mem = m.get("memory") or {}
+            lines.append(
+                f"| {name} | {_mib(mem.get('rss_peak_bytes'))} | {_mib(mem.get('shm_bytes'))} "
+                f"| {_mib(mem.get('cuda_peak_bytes'))} | {m.get('restores') or '-'} "
+                f"| {m.get('transport') or '-'} | {_fmt(m.get('k'), '')} |"
+            )
+    return [*lines, ""] if lines else []
 
 
 def _rank_value(per: dict[str, Any], field: str, rank: int, scale: float) -> str:
@@ -281,14 +378,15 @@ def _protection_lines(modes: list[str]) -> list[str]:
 
 
 def plot_iterations(raw: dict[str, Any], path: Path, *, title: str) -> None:
-    """Boxplot of iteration seconds (max over ranks) per mode, as a PNG."""
+    """Boxplot of iteration seconds (max over ranks) per mode, as a PNG (every launch's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(raw["modes"])
-    data = [[max(row) * 1e3 for row in raw["modes"][n]["iter_s"]] for n in names]
+    modes = pool_launches(raw)["modes"]
+    names = list(modes)
+    data = [[max(row) * 1e3 for row in modes[n]["iter_s"]] for n in names]
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
     ax.boxplot(data, showfliers=True)
     ax.set_xticks(range(1, len(names) + 1), names)
@@ -330,13 +428,16 @@ def write_results(
 
 
 def measure_overhead(
-    cfg: OverheadConfig, *, timeout_s: float
+    cfg: OverheadConfig, *, timeout_s: float, launches: int = 1
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run the benchmark of ``cfg`` in one torchrun job; returns ``(summary, raw)``.
+    """Run the benchmark of ``cfg`` in ``launches`` torchrun jobs, one after the other
+    (each a fresh job), and pool their rounds; returns ``(summary, raw)``. ``raw`` is the
+    job's raw output for one launch, ``{"config": ..., "launches": [raw, ...]}`` for
+    several (every launch's samples kept; :func:`baft_bench.aggregate.pool_launches`).
 
     Engine modes are left out (with a note on stderr, and under ``skipped`` in the raw
     results) when ``baft.engine.engine`` cannot be imported. Raises ``RuntimeError`` when
-    the job fails or runs past ``timeout_s``.
+    a job fails or runs past ``timeout_s`` (per launch).
     """
     engine_modes = [m for m in cfg.modes if m in ENGINE_MODES]
     why = engine_import_error() if engine_modes else None
@@ -344,16 +445,21 @@ def measure_overhead(
         for m in engine_modes:
             print(f"[bench] note: skipping {m} (baft.engine.engine unavailable: {why})", file=sys.stderr)  # fmt: skip
         cfg.modes = [m for m in cfg.modes if m not in engine_modes]
-    print(
-        f"[bench] overhead: modes {', '.join(cfg.modes)}, {cfg.total_iterations()} iterations "
-        f"on {cfg.num_pp * cfg.num_dp} ranks ({cfg.compute} compute) -> {cfg.out_dir}",
-        file=sys.stderr,
-        flush=True,
-    )
     load_before = os.getloadavg()[0]
-    raw = _launch(cfg, timeout_s)
-    if why is not None:
-        raw.setdefault("skipped", {}).update({m: f"import failed: {why}" for m in engine_modes})
+    raws = []
+    for i in range(launches):
+        print(
+            f"[bench] overhead: launch {i + 1}/{launches}, modes {', '.join(cfg.modes)}, "
+            f"{cfg.total_iterations()} iterations on {cfg.num_pp * cfg.num_dp} ranks "
+            f"({cfg.compute} compute) -> {cfg.out_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        one = _launch(cfg, timeout_s)
+        if why is not None:
+            one.setdefault("skipped", {}).update({m: f"import failed: {why}" for m in engine_modes})  # fmt: skip
+        raws.append(one)
+    raw = raws[0] if launches == 1 else {"config": cfg.to_dict(), "launches": raws}
     machine = machine_info()
     machine["load_before"] = round(load_before, 2)
     machine["load_after"] = round(os.getloadavg()[0], 2)

@@ -63,6 +63,24 @@ def design_rounds(n: int) -> int:
     return len(williams_design(n))
 
 
+MIN_ROUNDS = 8
+"""Rounds per launch by default at least: the default is the smallest whole number of full
+designs that reaches it (8 for 2, 4 or 8 modes, 12 for 3, 18 for 9)."""
+
+
+def default_rounds(n: int, requested: int | None = None) -> tuple[int, str | None]:
+    """Rounds per launch for ``n`` modes and a note when they are not balanced.
+
+    Without a request: the smallest multiple of the full design with at least
+    :data:`MIN_ROUNDS` rounds (no note). With one: the request as it is, and a note
+    (:func:`design_summary`) when it is not a whole number of full designs."""
+    full = max(1, design_rounds(n))
+    if requested is None:
+        return full * -(-MIN_ROUNDS // full), None
+    summary = design_summary(n, requested)
+    return requested, None if summary["balanced"] or n < 2 else summary["note"]
+
+
 def round_order(modes: Sequence[str], round_index: int) -> list[str]:
     """The order of ``modes`` in round ``round_index`` (the design repeats after a full
     design)."""

@@ -121,8 +121,11 @@ def test_markdown_table_has_raw_numbers_and_ratios() -> None:
     page = render_markdown(result, command="baft bench overhead", date="2026-01-02", plot="x.png")
     assert "2026-01-02" in page and "Fake CPU" in page and "`baft bench overhead`" in page
     assert "| torch-save | 450.0 |" in page
-    assert "| 2.250 | 2.250 |" in page  # ratio of medians, paired ratio (one block)
-    assert "| 325.0 | 1.789 | 1.789 |" in page  # wall ms / iter, its ratios (one block)
+    # ratio of medians, paired ratio (one round: the interval is the value)
+    assert "| 2.250x [2.250, 2.250] | 2.250x [2.250, 2.250] |" in page
+    # wall ms / iter, its ratios
+    assert "| 325.0 | 1.789x [1.789, 1.789] | 1.789x [1.789, 1.789] |" in page
+    assert "- rounds: 1 (one launch)" in page
     assert "EMULATED" not in page
     assert "skipped `naive-async`: ImportError: nope" in page
     assert "![iteration times per mode](x.png)" in page
