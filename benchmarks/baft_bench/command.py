@@ -311,7 +311,7 @@ def _extra_lines(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {name} | {_mib(mem.get('rss_peak_bytes'))} | {_mib(mem.get('shm_bytes'))} "
                 f"| {_mib(mem.get('cuda_peak_bytes'))} | {m.get('restores') or '-'} "
-                f"| {m.get('transport') or '-'} | {_fmt(m.get('k'), '')} |"
+                f"| {m.get('transport') or '-'} | {m.get('k') if m.get('k') is not None else '-'} |"
             )
     return [*lines, ""] if lines else []
 
