@@ -69,8 +69,8 @@ def test_dcp_is_plain_loadable_and_power_loss_falls_back_to_it(tmp_path: Path) -
     try:
         ref = run_job(_config(tmp_path / "ref", store, [], persist_every=1))
         ref_cfg = json.loads((tmp_path / "ref" / "config.json").read_text())
-        ckdir = Path(ref_cfg["checkpoint"]["persist_dir"])
-        job = store / ref_cfg["checkpoint"]["job_id"]
+        ckdir = Path(ref_cfg["checkpoint"]["persist"]["dir"])
+        job = store / ref_cfg["checkpoint"]["store"]["job_id"]
         plan_input = json.loads((tmp_path / "ref" / "plan_input.json").read_text())
         for r in plan_input["ranks"]:  # profiled iterations carry their length (stretch needs it)
             bmap = r["bubbles"]
