@@ -32,6 +32,7 @@ from baft_bench.modes import (
     ENGINE_ARMS,
     ENGINE_MODES,
     PEER_MODES,
+    REFERENCE_MODES,
     engine_transport,
     mode_transport,
     resolve_modes,
@@ -277,7 +278,9 @@ class OverheadConfig:
             return 0
         k = self.engine_checkpoint("baft").policy.full_every or AUTO_K_GUESS
         return sum(
-            check_iterations(self.cadence(m), k if m in ENGINE_MODES else 1) for m in self.modes
+            check_iterations(self.cadence(m), k if m in ENGINE_MODES else 1)
+            for m in self.modes
+            if m not in REFERENCE_MODES
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -354,6 +357,19 @@ class BareMode:
 
     def close(self) -> None:
         self.trainer.close()
+
+
+def _share_layout_digests(trainer: Any, mesh: Any) -> None:
+    """Give the shared runner every ``(pp, tp)``'s state layout digest, as ``baft.protect``
+    does before the first step, so that the engine modes' shards record their identity
+    and a fresh ``protect`` can restore them (the restore check). Collective."""
+    import torch.distributed as dist
+
+    c = mesh.coords
+    state = trainer.runner.state
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (f"pp{c.pp}.tp{c.tp}", state.layout_digest))
+    trainer.runner.layout_digests = dict(gathered)
 
 
 def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> Any:
@@ -568,6 +584,7 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
         cfg.compute = "emulated"
         cfg.emulated_times = bcfg.fixed_emulated_times() or calibrate_emulated(cfg, mesh)
     trainer = Trainer(cfg, mesh)
+    _share_layout_digests(trainer, mesh)
     _MEMORY.tracker = MemoryTracker()
     it = 0
     _run_block(trainer, None, it, bcfg.num_warmup)
@@ -677,7 +694,7 @@ def _restore_check(
     next iteration. Collective."""
     from baft_bench.restorecheck import LiveHistory, agree, check_iterations
 
-    if mode in ("none", "bare"):
+    if mode in REFERENCE_MODES:
         return ("n/a", "no checkpoints"), it
     cadence = bcfg.interval if mode in ENGINE_MODES else bcfg.cadence(mode)
     num = check_iterations(cadence, _engine_k(hooks) or 1)
