@@ -143,7 +143,7 @@ def throughput(
     }
 
 
-EXTRA_MODE_KEYS = ("memory", "restores", "transport", "k")
+EXTRA_MODE_KEYS = ("memory", "restores", "restores_detail", "transport", "k", "note")
 """Per-mode facts the worker may record next to the samples (memory per rank, whether the
 newest checkpoint restores, the redundancy transport, the ``full_every`` chosen): passed
 through to the result, merged over launches by :func:`merge_extra`."""
@@ -193,6 +193,16 @@ def merge_extra(key: str, values: list[Any]) -> Any:
     return "/".join(distinct) if key == "transport" else values
 
 
+def with_facts(raw: dict[str, Any]) -> dict[str, Any]:
+    """One launch's raw output with the worker's ``mode_facts`` (transport, K, note,
+    memory, restores: :mod:`baft_bench.facts`) moved next to each mode's samples."""
+    facts = raw.get("mode_facts") or {}
+    if not facts:
+        return raw
+    modes = {m: {**s, **(facts.get(m) or {})} for m, s in raw["modes"].items()}
+    return {**raw, "modes": modes}
+
+
 def pool_launches(raw: dict[str, Any]) -> dict[str, Any]:
     """One launch's raw output, with ``launch_rounds`` added; or several launches'
     (``{"config": ..., "launches": [raw, ...]}``) as one: the samples of every mode that
@@ -201,7 +211,8 @@ def pool_launches(raw: dict[str, Any]) -> dict[str, Any]:
     median over launches, the extra per-mode facts merged (:func:`merge_extra`)."""
     launches = raw.get("launches")
     if not launches:
-        return {**raw, "launch_rounds": [launch_rounds(raw)]}
+        return {**with_facts(raw), "launch_rounds": [launch_rounds(raw)]}
+    launches = [with_facts(r) for r in launches]
     first = launches[0]
     names = [m for m in first["modes"] if all(m in r["modes"] for r in launches)]
     skipped: dict[str, str] = {}
@@ -351,6 +362,7 @@ def summarize(raw: dict[str, Any], machine: dict[str, Any] | None = None) -> dic
             "strata": "launch",
         },  # fmt: skip
         "peer_versions": raw.get("peer_versions"),
+        "memory_method": raw.get("memory_method"),
         "config": raw["config"],
         "machine": machine or {},
     }

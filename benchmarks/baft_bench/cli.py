@@ -76,6 +76,9 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per simulated node for the engine's redundancy (default %(default)s)")  # fmt: skip
     add("--checkpoint", default=d.checkpoint, metavar="SPEC", help="policy of the engine modes naive-async and baft (default %(default)s)")  # fmt: skip
     add("--engine", default="", metavar="KEY=VALUE,...", help="engine options of the engine modes, to measure them: host_work=bubbles|always|auto, snapshot_copy=auto|thread, exchange=auto|network (default: the defaults)")  # fmt: skip
+    add("--interval", type=int, default=d.interval, help="iterations between checkpoints, every mode (the engine's every, the baselines' and peers' cadence; default %(default)s)")  # fmt: skip
+    add("--persist-every", type=int, default=d.persist_every, help="disk cadence in checkpoints: torch-save, dcp-async and checkfreq write every N-th checkpoint iteration, baft-persist runs with persist=N (default %(default)s)")  # fmt: skip
+    add("--no-restore-check", action="store_true", help="skip the restore check after the blocks (each mode's newest checkpoint restored and compared bit for bit)")  # fmt: skip
     add("--store-root", default=d.store_root, help="shared-memory root of the engine stores (default %(default)s)")  # fmt: skip
     add("--seed", type=int, default=d.seed, help="(default %(default)s)")
     add("--out", default=d.out_dir, help="run directory and checkpoint files (default %(default)s)")  # fmt: skip
@@ -119,6 +122,9 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
         checkpoint=a.checkpoint,
         store_root=a.store_root,
         engine=a.engine,
+        interval=getattr(a, "interval", 1),
+        persist_every=getattr(a, "persist_every", 1),
+        restore_check=not getattr(a, "no_restore_check", False),
     )
     cfg.validate()
     return cfg
@@ -151,11 +157,15 @@ def command_line(a: argparse.Namespace) -> str:
         ("--compute", a.compute), ("--emulated-ms", getattr(a, "emulated_ms", "") or None),
         ("--ranks-per-node", a.ranks_per_node),
         ("--checkpoint", a.checkpoint), ("--engine", a.engine or None), ("--seed", a.seed),
+        ("--interval", getattr(a, "interval", None)),
+        ("--persist-every", getattr(a, "persist_every", None)),
         ("--out", a.out),
     ]  # fmt: skip
     words = ["baft", "bench", "overhead"] + [
         w for f, v in flags if v is not None for w in (f, str(v))
     ]
+    if getattr(a, "no_restore_check", False):
+        words.append("--no-restore-check")
     return shlex.join(words + (["--json"] if a.json else []))
 
 

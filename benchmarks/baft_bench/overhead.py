@@ -24,12 +24,26 @@ from pathlib import Path
 from typing import Any
 
 from baft_bench.aggregate import COMPONENTS, FIELDS, block_order
-from baft_bench.modes import ALL_MODES, BASELINE_MODES, ENGINE_MODES, PEER_MODES
+from baft_bench.memory import MemoryTracker, allocated_bytes
+from baft_bench.modes import (
+    ALL_MODES,  # noqa: F401 - re-exported (the CLI and tests import it from here)
+    BASELINE_MODES,
+    DISK_MODES,
+    ENGINE_ARMS,
+    ENGINE_MODES,
+    PEER_MODES,
+    REFERENCE_MODES,
+    engine_transport,
+    mode_transport,
+    resolve_modes,
+)
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
 ENGINE_OPTIONS = {"host_work": "host_work", "snapshot_copy": "snapshot_copy", "exchange": "paths"}
 """``--engine`` keys -> the :class:`baft.config.ExchangeConfig` fields they set."""
+AUTO_K_GUESS = 8
+"""The K ``full_every=auto`` is assumed to choose when counting iterations up front."""
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184"}
 """glibc malloc settings every mode runs with (the launcher keeps values already set):
 freed memory up to 32 MiB a block stays in the process instead of going back to the
@@ -96,7 +110,18 @@ class OverheadConfig:
     """Shared-memory root of the engine modes' snapshot stores."""
     engine: str = ""
     """Engine options of the engine modes, ``key=value,...`` over :data:`ENGINE_OPTIONS`
-    (e.g. ``host_work=always,snapshot_copy=thread``: to measure them); empty = defaults."""
+    (e.g. ``host_work=always,snapshot_copy=thread``: to measure them); empty = defaults.
+    ``exchange=`` sets the transport of every engine mode but ``baft-shm``."""
+    interval: int = 1
+    """Iterations between checkpoints, for every mode (the engine's ``every``, the
+    baselines' and peers' cadence): a sweep over intervals is one flag per launch."""
+    persist_every: int = 1
+    """Disk cadence in checkpoints: the disk baselines (torch-save, dcp-async, checkfreq)
+    write every ``persist_every``-th checkpoint iteration, ``baft-persist`` persists with
+    ``persist=persist_every`` (the same iterations)."""
+    restore_check: bool = True
+    """After the timed blocks, restore each mode's newest checkpoint and compare it bit
+    for bit with the live state of that version (:mod:`baft_bench.restorecheck`)."""
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_iters"):
@@ -104,9 +129,8 @@ class OverheadConfig:
                 raise ValueError(f"--{name.replace('num_', '').replace('_', '-')} must be >= 1")
         if self.num_switch_iters < 0 or self.num_warmup < 0:
             raise ValueError("--warmup and the switch iterations must be >= 0")
-        unknown = [m for m in self.modes if m not in ALL_MODES]
-        if unknown:
-            raise ValueError(f"unknown mode(s) {unknown}: choose from {', '.join(ALL_MODES)}")
+        self.modes = resolve_modes(self.modes)
+        self._validate_cadence()
         if "none" not in self.modes:
             raise ValueError("--modes must include none (the reference every ratio is against)")
         if len(set(self.modes)) != len(self.modes):
@@ -124,6 +148,32 @@ class OverheadConfig:
         if any(m in ENGINE_MODES for m in self.modes):
             cfg.checkpoint = self.engine_checkpoint("baft")
         cfg.validate()
+
+    def _validate_cadence(self) -> None:
+        if self.interval < 1 or self.persist_every < 1:
+            raise ValueError("--interval and --persist-every must be >= 1")
+        longest = max((self.cadence(m) for m in self.modes), default=1)
+        if self.block_iters % longest:
+            raise ValueError(
+                f"--block-iters {self.block_iters} must be a multiple of the longest "
+                f"checkpoint cadence, {longest} iterations (--interval {self.interval} x "
+                f"--persist-every {self.persist_every}), so that every block holds the same "
+                "number of checkpoints"
+            )
+
+    def cadence(self, mode: str) -> int:
+        """Iterations between the checkpoints (disk writes, for disk modes) of ``mode``:
+        a checkpoint falls on the iterations divisible by it (the engine's rule)."""
+        if mode in DISK_MODES or mode == "baft-persist":
+            return self.interval * self.persist_every
+        return self.interval
+
+    def transport(self, mode: str) -> str:
+        """How ``mode``'s redundancy moves: "network", "shm" or "n/a"."""
+        if mode in ENGINE_MODES:
+            ck = self.engine_checkpoint(mode)
+            return engine_transport(ck.exchange.paths, ck.policy.redundancy)
+        return mode_transport(mode)
 
     def fixed_emulated_times(self) -> dict[str, list[float]] | None:
         """``emulated_ms`` as {"fwd": [s, ...], "bwd": [s, ...]}, or None when unset."""
@@ -149,14 +199,29 @@ class OverheadConfig:
         from baft.config import CheckpointConfig
 
         ck = CheckpointConfig.parse(self.checkpoint)
-        if mode != "baft":  # the baselines of the engine protect the whole state
+        arm = ENGINE_ARMS.get(mode, ENGINE_ARMS["baft"])
+        if ck.policy.every not in (1, self.interval):
+            raise ValueError(
+                f"--checkpoint every={ck.policy.every} and --interval {self.interval} differ: "
+                "set the interval with --interval"
+            )
+        ck.policy.every = self.interval
+        if arm.full:  # the baselines of the engine protect the whole state
             ck.policy.full_every = 1
+        if arm.redundancy is not None:
+            ck.policy.redundancy = arm.redundancy
+        if arm.persist:
+            ck.policy.persist_every = self.persist_every
         ck.store.root = self.store_root
         ck.store.job_id = engine_job_id(self.out_dir, mode)
+        ck.store.keep_on_close = True  # the restore check reads it after close (then removed)
         ck.persist.dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
+        ck.exchange.paths = arm.paths
         if self.compute == "emulated":
             ck.exchange.snapshot_copy = "thread"  # the host is free while the device computes
         for key, value in self.engine_options().items():
+            if key == "exchange" and arm.fixed_paths:
+                continue
             setattr(ck.exchange, ENGINE_OPTIONS[key], value)
         return ck
 
@@ -203,7 +268,20 @@ class OverheadConfig:
         profile = sum(
             self.engine_checkpoint(m).profile_iters for m in self.modes if m in ENGINE_MODES
         )
-        return self.num_warmup + len(self.modes) * per_mode + profile
+        return self.num_warmup + len(self.modes) * per_mode + profile + self.check_iterations()
+
+    def check_iterations(self) -> int:
+        """Iterations the restore check runs (an estimate: K is planned at run time)."""
+        from baft_bench.restorecheck import check_iterations
+
+        if not self.restore_check:
+            return 0
+        k = self.engine_checkpoint("baft").policy.full_every or AUTO_K_GUESS
+        return sum(
+            check_iterations(self.cadence(m), k if m in ENGINE_MODES else 1)
+            for m in self.modes
+            if m not in REFERENCE_MODES
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -262,14 +340,51 @@ def measure_sync_snapshot(trainer: Any, num_reps: int = 5) -> float:
     return statistics.median(times)
 
 
+class BareMode:
+    """The ``bare`` mode: the bare torch schedule (``TrainConfig(instrument=False)``: no
+    slots, no timeline) on a Trainer of its own, built like the shared one (same seed,
+    same layout); it prices baft's instrumentation against ``none``. Its model and
+    optimizer are a second copy of the state on each rank (in every mode's RSS)."""
+
+    def __init__(self, cfg: Any, mesh: Any) -> None:
+        from dataclasses import replace
+
+        from baft.train.trainer import Trainer
+
+        self.trainer = Trainer(replace(cfg, instrument=False, checkpoint=None), mesh)
+        self.enabled = False
+        self.last_metrics: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+def _share_layout_digests(trainer: Any, mesh: Any) -> None:
+    """Give the shared runner every ``(pp, tp)``'s state layout digest, as ``baft.protect``
+    does before the first step, so that the engine modes' shards record their identity
+    and a fresh ``protect`` can restore them (the restore check). Collective."""
+    import torch.distributed as dist
+
+    c = mesh.coords
+    state = trainer.runner.state
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (f"pp{c.pp}.tp{c.tp}", state.layout_digest))
+    trainer.runner.layout_digests = dict(gathered)
+
+
 def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> Any:
     """The hooks object of ``mode`` (None for ``none``). Collective."""
     from baft_bench.baselines import make_baseline
 
+    emulated = bcfg.compute == "emulated"
     if mode == "none":
         return None
+    if mode == "bare":
+        return BareMode(cfg, mesh)
     if mode in BASELINE_MODES:
-        return make_baseline(mode, trainer, Path(bcfg.out_dir) / "ckpt")
+        return make_baseline(
+            mode, trainer, Path(bcfg.out_dir) / "ckpt", every=bcfg.cadence(mode), emulated=emulated
+        )
     if mode in PEER_MODES:
         from baft_bench.peers import make_peer
 
@@ -279,6 +394,8 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
             Path(bcfg.out_dir) / "ckpt",
             out_dir=bcfg.out_dir,
             ranks_per_node=bcfg.ranks_per_node,
+            interval=bcfg.cadence(mode),
+            emulated=emulated,
         )
     from baft.engine.build import build_engine
     from baft.engine.scheduling import AllAtStart, BubbleAware
@@ -303,6 +420,7 @@ def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tup
     # "Timed out waiting for socket server: ckpt_lock_rank_0"; fork-with-threads suspected)
     for mode in sorted(bcfg.modes, key=lambda m: m != "dlrover-flash"):
         obj, error = None, ""
+        _MEMORY.held(mode, start=True)
         try:
             obj = _make_mode(mode, bcfg, cfg, mesh, trainer)
         except Exception as exc:  # a missing or broken engine must not sink the baselines
@@ -316,6 +434,8 @@ def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tup
             if obj is not None:
                 obj.enabled = False
             hooks[mode] = obj
+            _MEMORY.names[id(obj)] = mode
+        _MEMORY.held(mode, start=False)
         trainer.hooks = None  # the engine installs itself; the harness decides
     return {m: hooks[m] for m in bcfg.modes if m in hooks}, skipped
 
@@ -329,10 +449,40 @@ def _close(hooks: Any) -> None:
                 return
 
 
+class _MemoryWatch:
+    """The worker's :class:`~baft_bench.memory.MemoryTracker` as :func:`_switch` feeds it:
+    modes by their hooks object (``id``), counted only while ``active`` (the blocks)."""
+
+    def __init__(self) -> None:
+        self.tracker: Any = None
+        self.names: dict[int, str] = {}
+        self.active = False
+
+    def held(self, mode: str, *, start: bool) -> None:
+        if self.tracker is not None:
+            (self.tracker.held_start if start else self.tracker.held_stop)(mode)
+
+    def switched(self, hooks: Any, on: bool) -> None:
+        name = self.names.get(id(hooks))
+        if self.tracker is None or not self.active or name is None:
+            return
+        (self.tracker.switched_on if on else self.tracker.switched_off)(name)
+
+
+_MEMORY = _MemoryWatch()
+"""This worker's memory per mode (one process per rank)."""
+
+
 def _switch(trainer: Any, hooks: Any, on: bool) -> None:
     """Turn a mode on (install its hooks) or off (disable, drain background work)."""
-    if hooks is None:
+    if on:
+        _MEMORY.switched(hooks, True)
+    if hooks is None or isinstance(hooks, BareMode):
         trainer.hooks = None
+        if hooks is not None:
+            hooks.enabled = on
+        if not on:
+            _MEMORY.switched(hooks, False)
         return
     hooks.enabled = on
     if on:
@@ -342,11 +492,14 @@ def _switch(trainer: Any, hooks: Any, on: bool) -> None:
     if callable(drain):
         drain()
     trainer.hooks = None
+    _MEMORY.switched(hooks, False)
 
 
 def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[float]]:
     """Run ``num`` iterations from ``first``; rows of this rank's FIELDS values."""
     rows = []
+    if isinstance(hooks, BareMode):  # the bare schedule runs on its own trainer
+        trainer = hooks.trainer
     for it in range(first, first + num):
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu0 = time.perf_counter(), time.process_time()
@@ -431,6 +584,8 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
         cfg.compute = "emulated"
         cfg.emulated_times = bcfg.fixed_emulated_times() or calibrate_emulated(cfg, mesh)
     trainer = Trainer(cfg, mesh)
+    _share_layout_digests(trainer, mesh)
+    _MEMORY.tracker = MemoryTracker()
     it = 0
     _run_block(trainer, None, it, bcfg.num_warmup)
     it += bcfg.num_warmup
@@ -438,7 +593,8 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
     for mode, why in skipped.items():
         if rank == 0:
             _log(f"skipping {mode}: {why}")
-    for h in hooks.values():  # first-call costs (allocation, profiling, planning) unmeasured
+    for mode, h in hooks.items():  # first-call costs (allocation, profiling, planning) unmeasured
+        _MEMORY.held(mode, start=True)
         num = bcfg.num_warmup
         if callable(getattr(h, "start", None)):  # the engine profiles, then plans
             h.start(it)
@@ -447,16 +603,19 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
         _run_block(trainer, h, it, num)
         it += num
         _switch(trainer, h, False)
+        _MEMORY.held(mode, start=False)
     facts = torch.zeros(2, world, dtype=torch.float64)
     facts[0, rank] = measure_sync_snapshot(trainer)
     facts[1, rank] = state_nbytes(trainer)
     dist.all_reduce(facts)
+    _MEMORY.active = True
     samples = _measure(bcfg, trainer, hooks, it, rank, world)
-    for h in hooks.values():
-        _close(h)
+    _MEMORY.active = False
+    mode_facts = _after_blocks(bcfg, cfg, mesh, trainer, hooks)
     if rank != 0:
         return None
     return {
+        **mode_facts,
         "config": bcfg.to_dict(),
         "world_size": world,
         "snapshot_s": facts[0].tolist(),
@@ -464,6 +623,140 @@ def run_worker(bcfg: OverheadConfig) -> dict[str, Any] | None:
         "emulated_times": cfg.emulated_times,
         "skipped": skipped,
         "modes": samples,
+    }
+
+
+# ------------------------------------------------- after the blocks: facts and restores
+def _next_iteration(trainer: Any, hooks: dict[str, Any]) -> int:
+    """The iteration after the newest any trainer ran (``bare`` has its own)."""
+    runners = [trainer.runner] + [
+        h.trainer.runner for h in hooks.values() if isinstance(h, BareMode)
+    ]
+    return max(r.iteration for r in runners)
+
+
+def _engine_k(hooks: Any) -> int | None:
+    """The K (``full_every``) an engine mode planned; None for other modes."""
+    rotation = getattr(hooks, "rotation", None)
+    return int(rotation.k) if rotation is not None and rotation.layout is not None else None
+
+
+def _record_bytes(hooks: Any) -> int | None:
+    """Bytes of the gradient set the differential record keeps alive (None: no record)."""
+    records = getattr(getattr(hooks, "rotation", None), "records", None)
+    if records is None:
+        return None
+    last = getattr(records, "last", None)
+    grads = last.grads.values() if last is not None else ()
+    return sum(g.numel() * g.element_size() for g in grads if g is not None)
+
+
+def _shm_bytes(mode: str, hooks: Any) -> int:
+    """Shared memory this rank's part of ``mode`` holds: its store or its segments."""
+    store = getattr(hooks, "store", None)
+    if mode in ENGINE_MODES and store is not None:
+        return allocated_bytes([Path(store.path)])
+    paths = getattr(hooks, "shm_paths", None)
+    return allocated_bytes(paths()) if callable(paths) else 0
+
+
+def _restore_verdict(
+    bcfg: OverheadConfig, cfg: Any, mesh: Any, mode: str, hooks: Any, history: Any, trainer: Any
+) -> tuple[str, str]:
+    """This rank's verdict on ``mode``'s newest checkpoint (:mod:`baft_bench.restorecheck`).
+    An engine mode is closed (its store kept) and restored by a fresh Trainer on its
+    store through ``baft.protect``'s ``restore()``. Collective."""
+    from dataclasses import replace
+
+    from baft.train.trainer import Trainer
+    from baft_bench.restorecheck import check_saved, compare
+
+    if mode not in ENGINE_MODES:
+        saved = hooks.checkpoint()
+        return check_saved(history, hooks.saved_version, saved, trainer.named_state())
+    _close(hooks)
+    ck = bcfg.engine_checkpoint(mode)
+    ck.store.keep_on_close = False
+    run_dir = str(Path(bcfg.out_dir) / f"engine-{mode}")
+    fresh = Trainer(replace(cfg, checkpoint=ck, out_dir=run_dir), mesh)
+    try:
+        version = fresh.restore()
+        return compare(history.versions.get(version), dict(fresh.named_state()), version)
+    finally:
+        fresh.close()
+
+
+def _restore_check(
+    bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any, mode: str, hooks: Any, it: int
+) -> tuple[tuple[str, str], int]:
+    """Run ``mode`` long enough to hold a whole window, recording the live state's
+    digests at the last boundaries, then its verdict on every rank; returns it and the
+    next iteration. Collective."""
+    from baft_bench.restorecheck import LiveHistory, agree, check_iterations
+
+    if mode in REFERENCE_MODES:
+        return ("n/a", "no checkpoints"), it
+    cadence = bcfg.interval if mode in ENGINE_MODES else bcfg.cadence(mode)
+    num = check_iterations(cadence, _engine_k(hooks) or 1)
+    history = LiveHistory()
+    _switch(trainer, hooks, True)
+    for i in range(num):
+        if i >= num - 2 * cadence - 2:
+            history.record(it, trainer.named_state())
+        _run_block(trainer, hooks, it, 1)
+        it += 1
+    history.record(it, trainer.named_state())
+    _switch(trainer, hooks, False)
+    try:
+        verdict = _restore_verdict(bcfg, cfg, mesh, mode, hooks, history, trainer)
+    except Exception as exc:  # a failed restore is a verdict, not the bench's end
+        verdict = ("no", f"{type(exc).__name__}: {exc}")
+    return agree(verdict, mesh.rank), it
+
+
+def _after_blocks(
+    bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any, hooks: dict[str, Any]
+) -> dict[str, Any]:
+    """Each mode's facts (transport, K, note, memory per rank) and restore verdict, then
+    every mode closed; rank 0 gets ``{"mode_facts", "peer_versions", "memory_method"}``.
+    Collective."""
+    import torch.distributed as dist
+
+    from baft_bench.facts import mode_note
+    from baft_bench.memory import per_rank
+    from baft_bench.peers import peer_versions
+
+    tracker = _MEMORY.tracker
+    local = {
+        m: tracker.mode_memory(m, _shm_bytes(m, h), _record_bytes(h)) for m, h in hooks.items()
+    }
+    ks = {m: _engine_k(h) for m, h in hooks.items()}
+    verdicts: dict[str, tuple[str, str]] = {}
+    it = _next_iteration(trainer, hooks)
+    for mode, h in hooks.items():
+        if bcfg.restore_check:
+            verdicts[mode], it = _restore_check(bcfg, cfg, mesh, trainer, mode, h, it)
+            if mesh.rank == 0:
+                _log(f"restore check {mode}: {verdicts[mode][0]} ({verdicts[mode][1]})")
+        if mode not in ENGINE_MODES or not bcfg.restore_check:
+            _close(h)  # engine modes were closed by their restore check
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    facts = {
+        m: {
+            "transport": bcfg.transport(m),
+            "k": ks[m],
+            "note": mode_note(m, bcfg.compute),
+            "memory": per_rank([g[m] for g in gathered]),
+            "restores": verdicts.get(m, ("n/a", "restore check off"))[0],
+            "restores_detail": verdicts.get(m, ("n/a", "restore check off"))[1],
+        }
+        for m in hooks
+    }
+    return {
+        "mode_facts": facts,
+        "peer_versions": peer_versions(),
+        "memory_method": tracker.method,
     }
 
 

@@ -186,6 +186,9 @@ def test_bench_without_a_benchmark_says_which_exist(capsys: pytest.CaptureFixtur
 def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
     cfg = OverheadConfig(modes=["none", "baft"], num_blocks=2, block_iters=3, num_warmup=1)
     # 1 global warm-up + 2 modes x (1 warm-up + 2 blocks x (1 switch + 3)) + 3 profiling
+    # + the restore check of baft: K + 2 checkpoints (K guessed 8 for full_every=auto)
+    assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3 + (8 + 2)
+    cfg.restore_check = False
     assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3
 
 
@@ -264,7 +267,7 @@ def test_engine_options_reach_every_engine_mode_and_bad_ones_are_named() -> None
         assert (ck.exchange.host_work, ck.exchange.snapshot_copy, ck.exchange.paths) == (
             "always",
             "thread",
-            "auto",
+            "network",  # the engine arms' transport unless named for shm (baft-shm)
         )
     assert OverheadConfig(modes=["none"]).engine_checkpoint("baft").exchange.host_work == "auto"
     with pytest.raises(ValueError, match="key one of host_work"):
