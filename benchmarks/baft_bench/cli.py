@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import baft_bench.goodput as goodput_bench
 import baft_bench.recovery as recovery_bench
 import baft_bench.scale as scale_bench
+import baft_bench.sweep as sweep_bench
 from baft_bench.overhead import ALL_MODES, OverheadConfig
 
 DEFAULT_RESULTS_DIR = "benchmarks/results"
@@ -83,6 +85,8 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=1800.0, help="kill the job after this many seconds")
     add_recovery_parser(sub)
     add_scale_parser(sub)
+    goodput_bench.add_parser(sub)
+    sweep_bench.add_parser(sub)
     parser.set_defaults(func=run_bench)
 
 
