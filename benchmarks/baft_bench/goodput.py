@@ -159,7 +159,7 @@ def load_json(path: Path) -> dict[str, Any]:
 
 def overhead_summary(data: dict[str, Any]) -> dict[str, Any]:
     """The overhead bench's summary: as given (``--json``), or computed from raw samples."""
-    first = next(iter(data.get("modes", {}).values()), {})
+    first: dict[str, Any] = next(iter(data.get("modes", {}).values()), {})
     if "iter_s" in first and "median_iter_s" not in first:
         from baft_bench.aggregate import summarize
 
@@ -418,7 +418,9 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
         ci = f" [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r.get("ci") else ""
         lines.append(
             f"| {r['mode']} | {r['overhead_ratio']:.3f}{ci} | {_num(r['downtime_s'], '.2f')} "
-            f"| {_num(r['lost_iters'], '.1f')} | " + " | ".join(_eff(at) for at in r["by_gpus"]) + " |"
+            f"| {_num(r['lost_iters'], '.1f')} | "
+            + " | ".join(_eff(at) for at in r["by_gpus"])
+            + " |"
         )
     lines += ["", "Where each measured row's numbers come from:", ""]
     for r in meas["modes"]:
@@ -459,7 +461,8 @@ def render_text(result: dict[str, Any]) -> str:
     for r in meas["modes"]:
         lines.append(
             f"{r['mode']:<14}{r['overhead_ratio']:8.3f}{_num(r['downtime_s'], '9.2f'):>9}"
-            f"{_num(r['lost_iters'], '6.1f'):>6}" + "".join(f"{_pct(at['efficiency']):>10}" for at in r["by_gpus"])  # fmt: skip
+            f"{_num(r['lost_iters'], '6.1f'):>6}"
+            + "".join(f"{_pct(at['efficiency']):>10}" for at in r["by_gpus"])  # fmt: skip
         )
     for sc in result.get("simulated", []):
         lines.append(f"SIMULATED {sc['preset']}/{sc['hardware']} {sc['gpus']} GPUs, iteration {sc['iteration_s']:.2f} s, MTBF {sc['mtbf_h']:.2f} h")  # fmt: skip

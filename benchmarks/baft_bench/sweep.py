@@ -50,8 +50,14 @@ SWEEP = (
     SweepConfig("size-512", "state size: d_model 512 (the default shape)", {}),
     SweepConfig("size-768", "state size: d_model 768", {"--d-model": "768"}),
     SweepConfig("pp4", "pipeline depth 4", {"--pp": "4"}),
-    SweepConfig("dp2", "two data-parallel replicas (baft shards the snapshot)", {"--dp": "2", "--batch": "8"}),  # fmt: skip
-    SweepConfig("interleaved", "interleaved 1F1B (smaller bubbles)", {"--schedule": "interleaved-1f1b"}),  # fmt: skip
+    SweepConfig(
+        "dp2",
+        "two data-parallel replicas (baft shards the snapshot)",
+        {"--dp": "2", "--batch": "8"},
+    ),  # fmt: skip
+    SweepConfig(
+        "interleaved", "interleaved 1F1B (smaller bubbles)", {"--schedule": "interleaved-1f1b"}
+    ),  # fmt: skip
     SweepConfig("zbv", "zero-bubble V schedule", {"--schedule": "zbv"}),
 )
 """The default set of configurations."""
@@ -140,26 +146,32 @@ def render_page(entries: list[dict[str, Any]], results: dict[str, dict[str, Any]
         "",
         f"- command: `{argv}`",
         f"- cells: {HEADLINE} (median over rounds of a block's wall time over the same "
-        "round's `none` block)" + (", [ci_low, ci_high] its confidence interval" if ci else "")
+        "round's `none` block)"
+        + (", [ci_low, ci_high] its confidence interval" if ci else "")
         + "; K: the differential window each mode chose (`k` in its JSON)",
         "- every launch's own page, plot and raw samples are in the folder of its name; "
         "its JSON next to it",
         "",
-        "| configuration | what | state MiB / rank | none wall ms | " + " | ".join(modes) + " | K |",
+        "| configuration | what | state MiB / rank | none wall ms | "
+        + " | ".join(modes)
+        + " | K |",
         "|---|---|---|---|" + "---|" * len(modes) + "---|",
     ]
     for e in entries:
-        r = results.get(e["name"])
-        if r is None:
+        got = results.get(e["name"])
+        if got is None:
             lines.append(f"| {e['name']} | {e['what']} | FAILED: {e.get('error', 'not run')} |")
             continue
+        r = got
         state = ", ".join(f"{b / 2**20:.0f}" for b in r.get("state_bytes_per_rank", []))
         none = r["modes"].get("none", {})
         wall = none.get("wall_per_iter_s") or none.get("median_iter_s")
         cells = [_ratio(r["modes"][m]) if m in r["modes"] else "-" for m in modes]
         lines.append(
             f"| [{e['name']}]({e['name']}/) | {e['what']} | {state} | "
-            f"{'-' if wall is None else f'{wall * 1e3:.0f}'} | " + " | ".join(cells) + f" | {chosen_k(r)} |"
+            f"{'-' if wall is None else f'{wall * 1e3:.0f}'} | "
+            + " | ".join(cells)
+            + f" | {chosen_k(r)} |"
         )
     lines += ["", "Commands (one launch each):", "", "```bash"]
     lines += [e["command"] for e in entries] + ["```", ""]

@@ -64,9 +64,26 @@ def _overhead() -> dict:
 RECOVERY = {
     "persist_every": 4,
     "rows": [
-        {"scenario": "rank crash", "lost_iterations": 1, "total_s": 5.0, "replay_s": 0.0, "seconds": {}},  # fmt: skip
-        {"scenario": "node loss", "lost_iterations": 2, "total_s": 8.0, "replay_s": 1.0, "seconds": {}},  # fmt: skip
-        {"scenario": "power loss, cold (evicted) cache", "lost_iterations": 2, "total_s": 20.0, "seconds": {}},  # fmt: skip
+        {
+            "scenario": "rank crash",
+            "lost_iterations": 1,
+            "total_s": 5.0,
+            "replay_s": 0.0,
+            "seconds": {},
+        },  # fmt: skip
+        {
+            "scenario": "node loss",
+            "lost_iterations": 2,
+            "total_s": 8.0,
+            "replay_s": 1.0,
+            "seconds": {},
+        },  # fmt: skip
+        {
+            "scenario": "power loss, cold (evicted) cache",
+            "lost_iterations": 2,
+            "total_s": 20.0,
+            "seconds": {},
+        },  # fmt: skip
     ],
 }
 
@@ -108,7 +125,11 @@ def _sim() -> dict:
 
     return {
         "iteration_s": 2.0,
-        "modes": {"baft": row(0.01, 62.0, 60.0), "naive-async": row(0.02, 62.0, 60.0), "sync": row(0.05, 200.0, 100.0, 100)},  # fmt: skip
+        "modes": {
+            "baft": row(0.01, 62.0, 60.0),
+            "naive-async": row(0.02, 62.0, 60.0),
+            "sync": row(0.05, 200.0, 100.0, 100),
+        },  # fmt: skip
         "differential": {"mode": {**row(0.0, 67.0, 60.0), "replay_s": 3.0}},
     }
 

@@ -65,12 +65,27 @@ def _result(ratios: dict[str, float], **extra: dict) -> dict:
 
 def test_page_from_synthetic_json() -> None:
     entries = [
-        {"name": "size-256", "what": "state size: d_model 256", "command": "baft bench overhead --d-model 256"},  # fmt: skip
-        {"name": "pp4", "what": "pipeline depth 4", "command": "baft bench overhead --pp 4", "error": "exit code 1"},  # fmt: skip
-        {"name": "zbv", "what": "zero-bubble V schedule", "command": "baft bench overhead --schedule zbv"},  # fmt: skip
+        {
+            "name": "size-256",
+            "what": "state size: d_model 256",
+            "command": "baft bench overhead --d-model 256",
+        },  # fmt: skip
+        {
+            "name": "pp4",
+            "what": "pipeline depth 4",
+            "command": "baft bench overhead --pp 4",
+            "error": "exit code 1",
+        },  # fmt: skip
+        {
+            "name": "zbv",
+            "what": "zero-bubble V schedule",
+            "command": "baft bench overhead --schedule zbv",
+        },  # fmt: skip
     ]
     results = {
-        "size-256": _result({"none": 1.0, "baft": 1.0312}, baft={"ci_low": 1.01, "ci_high": 1.05, "k": 8}),  # fmt: skip
+        "size-256": _result(
+            {"none": 1.0, "baft": 1.0312}, baft={"ci_low": 1.01, "ci_high": 1.05, "k": 8}
+        ),  # fmt: skip
         "zbv": _result({"none": 1.0, "baft": 1.2, "checkfreq": 1.5}),
     }
     results["zbv"]["skipped"] = {"dlrover-flash": "import failed"}
