@@ -6,7 +6,8 @@ and run by ``baft_bench.command.measure_overhead``: one torchrun job, a table (o
 JSON object with ``--json``) on stdout and
 ``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG next to it.
 ``recovery`` and ``scale`` parse their flags here and run ``baft_bench.recovery`` and
-``baft_bench.scale``. The harness lives outside the ``baft`` package and parses its own
+``baft_bench.scale``; ``goodput`` and ``sweep`` register their own flags
+(``baft_bench.goodput``, ``baft_bench.sweep``). The harness lives outside the ``baft`` package and parses its own
 arguments.
 """
 
@@ -192,7 +193,9 @@ def run_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"baft bench: error: {exc}", file=sys.stderr)
             return 1
-    print("baft bench: choose a benchmark: overhead, recovery, scale", file=sys.stderr)
+    print(
+        "baft bench: choose a benchmark: overhead, recovery, scale, goodput, sweep", file=sys.stderr
+    )
     return 2
 
 
