@@ -6,7 +6,8 @@ and run by ``baft_bench.command.measure_overhead``: one torchrun job, a table (o
 JSON object with ``--json``) on stdout and
 ``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG next to it.
 ``recovery`` and ``scale`` parse their flags here and run ``baft_bench.recovery`` and
-``baft_bench.scale``. The harness lives outside the ``baft`` package and parses its own
+``baft_bench.scale``; ``goodput`` and ``sweep`` register their own flags
+(``baft_bench.goodput``, ``baft_bench.sweep``). The harness lives outside the ``baft`` package and parses its own
 arguments.
 """
 
@@ -19,8 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import baft_bench.goodput as goodput_bench
 import baft_bench.recovery as recovery_bench
 import baft_bench.scale as scale_bench
+import baft_bench.sweep as sweep_bench
 from baft_bench.overhead import ALL_MODES, OverheadConfig
 from baft_bench.stats import default_rounds, format_ci
 
@@ -88,6 +91,8 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=1800.0, help="kill the job after this many seconds")
     add_recovery_parser(sub)
     add_scale_parser(sub)
+    goodput_bench.add_parser(sub)
+    sweep_bench.add_parser(sub)
     parser.set_defaults(func=run_bench)
 
 
@@ -208,7 +213,9 @@ def run_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"baft bench: error: {exc}", file=sys.stderr)
             return 1
-    print("baft bench: choose a benchmark: overhead, recovery, scale", file=sys.stderr)
+    print(
+        "baft bench: choose a benchmark: overhead, recovery, scale, goodput, sweep", file=sys.stderr
+    )
     return 2
 
 
