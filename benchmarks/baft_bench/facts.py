@@ -11,8 +11,6 @@ summary (the ``--json`` object and the page's input) carries them, merged over l
 
 from __future__ import annotations
 
-from typing import Any
-
 from baft_bench.modes import ENGINE_MODES
 
 MODE_FIELDS = ("transport", "k", "note", "memory", "restores", "restores_detail")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from baft_bench.cli import add_bench_parser, command_line, config_from_args
 from baft_bench.aggregate import EXTRA_MODE_KEYS, merge_extra, with_facts
+from baft_bench.cli import add_bench_parser, command_line, config_from_args
 from baft_bench.facts import MODE_FIELDS, mode_note
 from baft_bench.memory import MemoryTracker, allocated_bytes, per_rank, rss_bytes
 from baft_bench.modes import ALL_MODES, ENGINE_MODES, resolve_modes
