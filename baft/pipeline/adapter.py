@@ -44,6 +44,10 @@ _SCHEDULE_CLASSES: dict[str, Any] = {
     "interleaved-zb": _sched.ScheduleInterleavedZeroBubble,
 }
 _SINGLE_STAGE = ("gpipe", "1f1b")
+SCHEDULES = tuple(_SCHEDULE_CLASSES)
+"""Pipeline schedules baft can run, by name: the one table (the CLI and configs use it)."""
+MULTI_STAGE_SCHEDULES = tuple(s for s in SCHEDULES if s not in _SINGLE_STAGE)
+"""Schedules that place several (virtual) stages on each pipeline rank."""
 
 
 class SlotHandler(Protocol):

@@ -11,14 +11,9 @@ from typing import Any
 
 from baft.config import CheckpointConfig
 from baft.model.config import ModelConfig
+from baft.pipeline.adapter import MULTI_STAGE_SCHEDULES, SCHEDULES
 
 __all__ = ["MULTI_STAGE_SCHEDULES", "SCHEDULES", "ModelConfig", "ParallelConfig", "TrainConfig"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")
-"""Pipeline schedules baft can run, by CLI name."""
-
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zbv", "interleaved-zb")
-"""Schedules that place several (virtual) stages on each pipeline rank."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,7 +67,7 @@ class ParallelConfig:
         if self.num_microbatches < 1:
             raise ValueError("--microbatches must be >= 1")
         if (
-            self.schedule in ("interleaved-1f1b", "interleaved-zb")
+            self.schedule in ("interleaved-1f1b", "interleaved-zb")  # looped: rounds of pp
             and self.num_microbatches % self.num_pp
         ):
             raise ValueError(
