@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
+from baft.config import CheckpointConfig, ExchangeConfig, StoreConfig, TimeoutConfig
 from baft.plan.types import CheckpointPolicy
 from baft.train.config import TrainConfig
 from tests.dist.runs import run_job, tiny_config
@@ -85,7 +85,13 @@ def test_kill_mid_same_host_exchange_and_node_loss_recover_bit_exactly(
 def test_network_exchange_gives_the_same_training(tmp_path: Path, store: Path) -> None:
     ref = run_job(_config(tmp_path / "ref", None, [], emulated=False))
     got = run_job(
-        _config(tmp_path / "net", store, ["node:1,iter=6"], emulated=False, exchange="network")
+        _config(
+            tmp_path / "net",
+            store,
+            ["node:1,iter=6"],
+            emulated=False,
+            exchange=ExchangeConfig(paths="network"),
+        )
     )
     _same(got, ref)
     (r,) = got["summary"]["recoveries"]
