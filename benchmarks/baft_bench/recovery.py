@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,7 @@ def run_recovery(a: Any) -> int:
         path = Path(a.results_dir) / f"recovery-{dt.date.today().isoformat()}.md"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(_markdown(result, a))
-        print(f"wrote {path}")
+        print(f"[bench] wrote {path}", file=sys.stderr)  # stdout stays one JSON object
     return 0
 
 

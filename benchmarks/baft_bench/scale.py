@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def run_scale(a: Any) -> int:
         path = Path(a.results_dir) / f"scale-simulated-{dt.date.today().isoformat()}.md"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        print(f"wrote {path}")
+        print(f"[bench] wrote {path}", file=sys.stderr)  # stdout stays one JSON object
     return 0
 
 
