@@ -60,9 +60,8 @@ class Trainer:
         )
         ck = cfg.checkpoint
         if ck is not None and cfg.compute == "emulated":
-            ck.exchange.snapshot_copy = (
-                "thread"  # the host is free while the emulated device computes
-            )
+            # the host is free while the emulated device computes: a copy thread plays DMA
+            ck.exchange.snapshot_copy = "thread"
         self.ft: Protected | None = None
         """The protected loop; None when the run has no checkpoints."""
         self._watchdog: Watchdog | NoWatchdog = NoWatchdog()
