@@ -364,7 +364,7 @@ class CheckpointEngine:
         """Every rank agreed to stop (SIGTERM): persist the live state, which is version
         ``iteration`` on every rank (the vote proves step ``iteration - 1`` is done
         everywhere; small state was captured at this iteration's start), as a DCP
-        checkpoint within ``flush_timeout_s``, then leave the process with status 0."""
+        checkpoint within ``TimeoutConfig.flush_s``, then leave the process with status 0."""
         if self.termination is not None:
             self.termination.flushing()
         self._quiesce()

@@ -5,7 +5,7 @@ Instead of dying with the newest state only in host memory that is about to go a
 handler just raises a flag; the engine votes it with the next commit (the same tiny MIN
 all-reduce, no extra collective), and once every rank has seen the vote, every rank
 persists the live state (the version the next iteration starts from, complete on every
-rank) as a plain DCP checkpoint within ``flush_timeout_s`` and exits with status 0. The
+rank) as a plain DCP checkpoint within ``TimeoutConfig.flush_s`` and exits with status 0. The
 next launch of the same run resumes from that checkpoint (DESIGN.md §3; DLRover calls
 it "persist at breakpoint").
 
@@ -37,7 +37,7 @@ class Termination:
         self.grace_s = grace_s
         """Seconds from SIGTERM to an agreed flush before dying of the signal anyway."""
         self.max_grace_s = max_grace_s
-        """The grace never exceeds the flush's own bound (``flush_timeout_s``)."""
+        """The grace never exceeds the flush's own bound (``TimeoutConfig.flush_s``)."""
         self._profiled_s = 0.0
         self._last_step: float | None = None
         self._previous: Any = None
