@@ -123,7 +123,10 @@ def measure_throughputs(
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     with _one_thread(), shm_buffer(nbytes, shm_dir) as shm:
-        src = torch.rand(nbytes // 4, dtype=torch.float32)
+        # its own generator: the calibration runs on the training thread of rank 0, and a
+        # draw from torch's global RNG would change the user's dropout from then on
+        gen = torch.Generator().manual_seed(0)
+        src = torch.rand(nbytes // 4, dtype=torch.float32, generator=gen)
         dst = torch.from_numpy(shm.view(np.float32))
         copy_s = _median_s(lambda: dst.copy_(src), repeats)
         a, b = shm.view(np.uint64), src.numpy().view(np.uint64)

@@ -49,3 +49,18 @@ def test_bad_sizes_raise_with_fix() -> None:
         measure_throughputs(1 << 10, repeats=0)
     with pytest.raises(ValueError, match="num_runs"):
         measure_interference(num_runs=0)
+
+
+def test_calibration_leaves_the_global_rng_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 calibrates on its training thread at the end of profiling: a draw from
+    torch's global RNG there changed every later dropout mask, and a job with the default
+    CheckpointConfig() (cost measured) trained differently from the same loop without
+    baft, with no failure at all."""
+    import torch
+
+    from baft.profile.calibrate import measure_cost_model
+
+    torch.manual_seed(1234)
+    before = torch.get_rng_state().clone()
+    measure_cost_model(1 << 20, repeats=1, interference=False, persist_dir=tmp_path)
+    assert torch.equal(torch.get_rng_state(), before)
