@@ -51,8 +51,13 @@ from torch.distributed.pipelining import PipelineStage
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
-from baft.pipeline.layout import check_no_sharded_replicas, check_replica_layouts
-from baft.pipeline.mesh import Mesh, mesh_view, pick_device
+from baft.pipeline.layout import (
+    check_no_sharded_replicas,
+    check_replica_layouts,
+    detect_mesh,
+    fsdp_reduces_over,
+)
+from baft.pipeline.mesh import Mesh, mesh_from_user, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
 from baft.pipeline.step import StepResult, StepRunner
 from baft.plan.names import is_extra
@@ -61,24 +66,26 @@ from baft.topology import Topology
 log = logging.getLogger("baft")
 
 
-def _mesh_from(device_mesh: DeviceMesh | None, ranks_per_node: int) -> Mesh:
+def _mesh_from(
+    device_mesh: DeviceMesh | None, ranks_per_node: int, modules: Sequence[torch.nn.Module]
+) -> tuple[Mesh, DeviceMesh | None]:
+    """baft's view of the job's mesh and the DeviceMesh baft made for it (None when it
+    made none): the user's ``device_mesh``, else the mesh the stages' DTensor parameters
+    (FSDP2, TP) live on, else every rank a pipeline stage."""
     if not dist.is_initialized():
         raise ValueError("initialise torch.distributed first (torchrun + init_process_group)")
     device = pick_device()
     if device_mesh is None:
-        device_mesh = init_device_mesh(
+        device_mesh = detect_mesh(modules, dist.get_world_size())
+        if device_mesh is not None:
+            log.info("device mesh from the stages' DTensor parameters: %s", device_mesh)
+    if device_mesh is None:
+        own = init_device_mesh(
             device.type, (dist.get_world_size(), 1, 1), mesh_dim_names=("pp", "dp", "tp")
         )
-    names = device_mesh.mesh_dim_names or ()
-    if set(names) != {"pp", "dp", "tp"}:
-        raise ValueError(
-            f"device_mesh must have dims named pp, dp, tp (size 1 where unused), got {names}"
-        )
-    sizes = {n: device_mesh.size(names.index(n)) for n in names}
-    topo = Topology(
-        num_pp=sizes["pp"], num_dp=sizes["dp"], num_tp=sizes["tp"], ranks_per_node=ranks_per_node
-    )
-    return mesh_view(device_mesh, topo, device)
+        topo = Topology(num_pp=dist.get_world_size(), ranks_per_node=ranks_per_node)
+        return mesh_view(own, topo, device), own
+    return mesh_from_user(device_mesh, ranks_per_node, device)
 
 
 def _exchange_layouts(runner: StepRunner, mesh: Mesh) -> dict[str, str]:
@@ -294,13 +301,20 @@ def protect(
     loaders, counters); keys are names of letters, digits, ``_ . -``. Each object's
     encoded state must fit ``extra_capacity_bytes`` (per object, or a mapping by key).
 
-    ``device_mesh`` has dims named ``pp``, ``dp``, ``tp`` (default: every rank a pipeline
-    stage). With dp > 1 the gradients must be averaged over the ``dp`` dim before
-    ``optimizer.step()`` (do not wrap the stages in DDP): call ``ft.average_gradients()``
-    after ``schedule.step(...)`` and before clipping; or pass ``average_gradients=True``
-    to average just before the step (after any clipping), or ``False`` if your loop
-    averages them itself. Without either, ``optimizer.step()`` raises. The small state
-    (RNG, ``state=`` objects) must be the same on every DP replica of a stage.
+    ``device_mesh``: the job's DeviceMesh with dims named as torchtitan names them, any
+    subset: ``pp``, ``dp_replicate`` (replicas; ``dp`` is accepted for it), ``dp_shard``
+    (FSDP2's shard dim), ``cp`` (size 1 only), ``tp``; ranks numbered in that order, as
+    ``init_device_mesh`` numbers them. Default: the mesh of the stages' DTensor
+    parameters when they have any, else every rank a pipeline stage. Ranks along
+    ``dp_shard`` and ``tp`` hold different shards, each checkpointed as its local piece;
+    ranks along ``dp_replicate`` are replicas. With replicas the gradients must be
+    averaged over them before ``optimizer.step()`` (do not wrap the stages in DDP): call
+    ``ft.average_gradients()`` after ``schedule.step(...)`` and before clipping; or pass
+    ``average_gradients=True`` to average just before the step (after any clipping), or
+    ``False`` if your loop averages them itself. Without either, ``optimizer.step()``
+    raises. FSDP2 over ``mesh["dp_replicate", "dp_shard"]`` (HSDP) averages them itself:
+    baft then does not. The small state (RNG, ``state=`` objects) must be the same on every
+    replica of a stage.
 
     ``checkpoint`` defaults to every iteration, xor:2 parity, persisted to
     ``run_dir/checkpoints`` every 50 checkpoints. Every wait of the mesh's groups and
@@ -308,13 +322,19 @@ def protect(
     ends this process when a peer freezes (see :mod:`baft.liveness.watchdog`).
     """
     check_optimizer(optimizer)
-    mesh = _mesh_from(device_mesh, ranks_per_node)
+    modules = [s.submod for s in stages]
+    mesh, own_mesh = _mesh_from(device_mesh, ranks_per_node, modules)
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
     ck.store.job_id = ck.store.job_id or default_job_id(run_dir)
     ck.persist.dir = ck.persist.dir or str(Path(run_dir) / "checkpoints")
     ck.validate(mesh.topology)
-    modules = [s.submod for s in stages]
-    check_no_sharded_replicas(modules, optimizer, dist.get_process_group_ranks(mesh.dp_group))
+    replicas = dist.get_process_group_ranks(mesh.dp_group)
+    check_no_sharded_replicas(modules, optimizer, replicas)
+    if mesh.topology.num_dp > 1 and fsdp_reduces_over(modules, replicas):
+        log.info("FSDP2 (HSDP) averages the gradients over the replicas: baft does not")
+        average_gradients, averaged_by = False, "FSDP2"
+    else:
+        averaged_by = ""
     runner = StepRunner(
         mesh=mesh,
         modules=modules,
@@ -327,6 +347,7 @@ def protect(
         extra_capacity_bytes=extra_capacity_bytes,
         average_gradients=average_gradients,
     )
+    runner.averaged_by = averaged_by
     try:
         runner.layout_digests = _exchange_layouts(runner, mesh)
     except ValueError:
@@ -334,5 +355,5 @@ def protect(
         raise
     watchdog = start_watchdog(mesh, runner, ck.timeouts.collective_s, run_dir)
     protected = Protected(runner, mesh, run_dir, ck, watchdog)
-    protected.own_mesh = mesh.mesh if device_mesh is None else None
+    protected.own_mesh = own_mesh
     return protected

@@ -32,15 +32,17 @@ __all__ = [
     "GlobalLayout",
     "check_no_sharded_replicas",
     "check_replica_layouts",
+    "detect_mesh",
+    "fsdp_reduces_over",
     "first_difference",
     "placement_of",
 ]
 
 FSDP_HELP = (
-    "baft treats the 'dp' mesh dim as replicas (identical bytes on every DP rank); "
-    "sharded data parallelism (FSDP2 / fully_shard, or DTensor Shard placements over "
-    "'dp') is not supported yet (issue 30): use plain DP replicas (parameters replicated "
-    "over 'dp', gradients averaged with ft.average_gradients())"
+    "baft treats the mesh dim 'dp_replicate' (or 'dp') as replicas (identical bytes on "
+    "every rank along it); shard over a dim named 'dp_shard' instead (fully_shard(mesh="
+    "mesh['dp_shard']), or mesh['dp_replicate', 'dp_shard'] for HSDP) and pass that mesh "
+    "as baft.protect(device_mesh=...)"
 )
 
 
@@ -194,3 +196,53 @@ def check_replica_layouts(gathered: Iterable[tuple[tuple[int, int, int], Sequenc
                 f"DP ranks dp{dp0} and dp{dp} of pp{pp}.tp{tp} are not replicas: {diff}. "
                 f"{FSDP_HELP}"
             )
+
+
+def detect_mesh(modules: Sequence[nn.Module], world_size: int) -> Any | None:
+    """The DeviceMesh the stages' DTensor parameters (FSDP2, TP) were laid out on, when
+    ``protect`` got no ``device_mesh``: the root mesh of the first DTensor parameter, if
+    it spans the whole job; None without DTensor parameters. ValueError when the
+    parameters' meshes cover only part of the job (the pipeline dim is not in them):
+    then baft cannot tell which ranks are replicas, and the user must say it."""
+    for m in modules:
+        for fqn, p in m.named_parameters():
+            if not isinstance(p, DTensor):
+                continue
+            mesh = p.device_mesh
+            get_root = getattr(mesh, "_get_root_mesh", None)  # private: absent, use the mesh
+            root = get_root() if get_root is not None else mesh
+            if root.mesh.numel() == world_size and root.mesh_dim_names:
+                return root
+            raise ValueError(
+                f"parameter {fqn} is a DTensor on mesh {root.mesh_dim_names or '(unnamed)'} "
+                f"of {root.mesh.numel()} ranks, not the job's {world_size}: pass the job's "
+                "mesh as baft.protect(device_mesh=...) with dims named pp, dp_replicate, "
+                "dp_shard, tp (the ones you use)"
+            )
+    return None
+
+
+def fsdp_reduces_over(modules: Sequence[nn.Module], ranks: Iterable[int]) -> bool:
+    """True when every ``fully_shard`` module of ``modules`` reduces its gradients over all
+    of ``ranks`` (HSDP: FSDP2 all-reduces over its replicate dim): then the replicas'
+    gradients are averaged already and baft must not average them again."""
+    want = set(ranks)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    found = False
+    for m in modules:
+        for sub in m.modules():
+            if not isinstance(sub, FSDPModule):
+                continue
+            try:
+                infos = [g.mesh_info for g in sub._get_fsdp_state()._fsdp_param_groups]
+            except (AssertionError, AttributeError):
+                return False
+            for info in infos:
+                dim = getattr(info, "replicate_mesh_dim", None)
+                if dim is None or not want <= _ranks_along(info.mesh, dim):
+                    return False
+                found = True
+    return found

@@ -88,3 +88,76 @@ def mesh_view(mesh: DeviceMesh, topo: Topology, device: torch.device) -> Mesh:
         dp_group=mesh["dp"].get_group(),
         tp_mesh=mesh["tp"],
     )
+
+
+REPLICA_DIMS = ("dp_replicate", "dp")
+"""Mesh dims whose ranks hold identical bytes (replicas): torchtitan's ``dp_replicate``
+(HSDP's replicate dim, or plain DP), or ``dp``, baft's older name for it."""
+SHARD_DIMS = ("dp_shard", "cp", "tp")
+"""Mesh dims whose ranks hold different pieces: FSDP2's ``dp_shard``, context parallel
+``cp`` (refused when > 1) and ``tp``. baft folds them, in this order, into one shard axis."""
+MESH_DIMS = ("pp", *REPLICA_DIMS, *SHARD_DIMS)
+"""Every dim name :func:`mesh_from_user` understands (torchtitan's, plus ``dp``)."""
+
+
+def _canonical_ranks(device_mesh: DeviceMesh) -> tuple[torch.Tensor, dict[str, int]]:
+    """The mesh's ranks ordered ``(pp, replicas, dp_shard, cp, tp)`` (absent dims size 1)
+    and the size of every named dim; ValueError for names baft does not know."""
+    names = tuple(device_mesh.mesh_dim_names or ())
+    shape = tuple(device_mesh.mesh.shape)
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise ValueError(f"device_mesh needs one distinct name per dim, got {names or None}")
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if unknown:
+        raise ValueError(
+            f"device_mesh dim(s) {unknown} unknown: baft understands {', '.join(MESH_DIMS)} "
+            "(torchtitan's names; 'dp' is another name for dp_replicate: replicas)"
+        )
+    if "dp" in names and "dp_replicate" in names:
+        raise ValueError("device_mesh has both 'dp' and 'dp_replicate': they name the same dim")
+    sizes = dict(zip(names, shape, strict=True))
+    if sizes.get("cp", 1) > 1:
+        raise ValueError(
+            f"context parallel (device_mesh dim 'cp' of size {sizes['cp']}) is not supported: "
+            "its ranks hold pieces of the activations baft does not checkpoint"
+        )
+    order = ["pp", "dp_replicate" if "dp_replicate" in names else "dp", *SHARD_DIMS]
+    ranks = device_mesh.mesh
+    for n in order:  # absent dims become trailing size-1 dims, then everything is permuted
+        if n not in names:
+            ranks = ranks.unsqueeze(-1)
+    full = [*names, *(n for n in order if n not in names)]
+    return ranks.permute([full.index(n) for n in order]).contiguous(), sizes
+
+
+def mesh_from_user(
+    device_mesh: DeviceMesh, ranks_per_node: int, device: torch.device
+) -> tuple[Mesh, DeviceMesh | None]:
+    """baft's (pp, dp, tp) view of the user's mesh, whatever subset of
+    :data:`MESH_DIMS` it names, in any order: ``dp`` = the replica dim, ``tp`` = the
+    shard axis (``dp_shard`` x ``cp`` x ``tp`` flattened, so a rank's shard identity
+    covers all three coordinates). Also the mesh baft made for it (its groups are baft's
+    to end), or None when the user's mesh already is ``("pp", "dp", "tp")``.
+
+    The ranks must be numbered pipeline-major (pp, then replicas, then shards), as
+    ``init_device_mesh`` numbers torchtitan's ``("pp", "dp_replicate", "dp_shard", "cp",
+    "tp")``; baft's failure domains are blocks of consecutive ranks. Collective when it
+    makes a mesh (every rank calls it)."""
+    ranks, sizes = _canonical_ranks(device_mesh)
+    world = dist.get_world_size()
+    num_pp, num_dp = ranks.shape[0], ranks.shape[1]
+    num_tp = ranks.numel() // (num_pp * num_dp)
+    if ranks.numel() != world or not torch.equal(ranks.reshape(-1), torch.arange(world)):
+        raise ValueError(
+            f"device_mesh {dict(sizes)} must cover ranks 0..{world - 1} numbered pp-major "
+            "(pp, then dp_replicate, then dp_shard, cp, tp), as init_device_mesh numbers "
+            "mesh_dim_names=('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'); got ranks "
+            f"{device_mesh.mesh.tolist()}"
+        )
+    topo = Topology(num_pp=num_pp, num_dp=num_dp, num_tp=num_tp, ranks_per_node=ranks_per_node)
+    if tuple(device_mesh.mesh_dim_names or ()) == ("pp", "dp", "tp"):
+        return mesh_view(device_mesh, topo, device), None
+    own = DeviceMesh(
+        device.type, ranks.reshape(num_pp, num_dp, num_tp), mesh_dim_names=("pp", "dp", "tp")
+    )
+    return mesh_view(own, topo, device), own

@@ -121,6 +121,9 @@ class StepRunner:
         self.average = average_gradients
         """None: the user calls :meth:`average_gradients` (checked at the step when dp > 1);
         True: averaged in the step pre-hook; False: the user's loop averages them itself."""
+        self.averaged_by = ""
+        """Who averages the gradients over the replicas instead of baft (``"FSDP2"`` for
+        HSDP): :meth:`average_gradients` is then a no-op."""
         self.state = TrainingState(
             modules,
             optimizer,
@@ -229,8 +232,9 @@ class StepRunner:
     def average_gradients(self) -> None:
         """Average this rank's gradients over its DP replicas (an all-reduce whose wait is
         a slot). Call it after ``schedule.step(...)`` and before clipping and
-        ``optimizer.step()``; a no-op without DP replicas."""
-        if self.num_dp == 1:
+        ``optimizer.step()``; a no-op without DP replicas, or when FSDP2 (HSDP) averages
+        them already (:attr:`averaged_by`)."""
+        if self.num_dp == 1 or self.averaged_by:
             return
         if self._tl is None:
             raise RuntimeError(

@@ -34,6 +34,7 @@ from tests.e2e.matrix import REDUNDANCY, Case
 
 REPO = Path(__file__).resolve().parents[2]
 USER_SCRIPT = REPO / "tests" / "e2e" / "user_script.py"
+FSDP2_SCRIPT = REPO / "examples" / "fsdp2_pipeline.py"
 ITERATIONS = 16
 TIMEOUT_S = 10.0
 """Watchdog and collective timeout of every protected job (a hang is detected after it)."""
@@ -82,8 +83,12 @@ def gpt_config(
 
 
 def user_args(case: Case, out: Path, store_root: Path | None, job_id: str = "") -> list[str]:
-    dp = case.dims[0]
-    args = [str(USER_SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}", f"--dp={dp}"]
+    dp, pp, tp = case.dims
+    if case.app == "fsdp2":  # the torchtitan-shaped example: its dp is FSDP2's dp_shard
+        args = [str(FSDP2_SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}"]
+        args += [f"--dp-shard={dp}", f"--pp={pp}", f"--tp={tp}"]
+    else:
+        args = [str(USER_SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}", f"--dp={dp}"]
     args += [f"--schedule={case.schedule}", f"--microbatches={microbatches(case)}"]
     if case.app == "user-unique":
         args.append("--unique-fqns")

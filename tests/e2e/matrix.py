@@ -24,7 +24,9 @@ LAYOUTS = {  # name -> (dp, pp, tp)
 DIMENSIONS: dict[str, tuple[str, ...]] = {
     # gpt: `baft train`'s reference GPT (stage FQNs unique); user-*: tests/e2e/user_script.py,
     # a fresh nn.Sequential per stage (FQNs repeat across stages) or wrapped as stage{s}.
-    "app": ("gpt", "user-repeated", "user-unique"),
+    # fsdp2: examples/fsdp2_pipeline.py, torchtitan-shaped (unique FQNs, FSDP2 over the
+    # layout's dp as dp_shard, TP inside blocks when tp > 1)
+    "app": ("gpt", "user-repeated", "user-unique", "fsdp2"),
     "layout": tuple(LAYOUTS),
     "schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "full_every": ("1", "3", "auto"),
@@ -70,7 +72,10 @@ class Case:
 
 
 def valid(case: Case) -> bool:
-    """The user script is pipeline x data parallel, one stage per rank."""
+    """The user script is pipeline x data parallel, one stage per rank; the FSDP2 example
+    shards over dp (> 1), with or without TP, one stage per rank."""
+    if case.app == "fsdp2":
+        return case.dims[0] > 1 and case.schedule != "interleaved-1f1b"
     if case.app != "gpt":
         return case.dims[2] == 1 and case.schedule != "interleaved-1f1b"
     return True
@@ -123,5 +128,7 @@ SMOKE = (
     # records in restarted processes, two agents without host ids (exited 0 with wrong
     # momentum before 0fce952)
     Case("user-unique", "pp2", "1f1b", "3", "rs", "off", "nohostid", "kill"),
+    # FSDP2 x PP (issue 30): local shards restored with differential versions by default
+    Case("fsdp2", "dp2pp2", "1f1b", "auto", "xor", "off", "one", "kill"),
 )
 """The default suite's cells: each fault path of a different kind."""
