@@ -52,6 +52,7 @@ from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.layout import (
+    check_fsdp_supported,
     check_no_sharded_replicas,
     check_replica_layouts,
     detect_mesh,
@@ -330,6 +331,7 @@ def protect(
     ck.validate(mesh.topology)
     replicas = dist.get_process_group_ranks(mesh.dp_group)
     check_no_sharded_replicas(modules, optimizer, replicas)
+    check_fsdp_supported(modules)
     if mesh.topology.num_dp > 1 and fsdp_reduces_over(modules, replicas):
         log.info("FSDP2 (HSDP) averages the gradients over the replicas: baft does not")
         average_gradients, averaged_by = False, "FSDP2"

@@ -204,7 +204,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     inputs = torch.randn(DATASET, WIDTH, generator=g)
     labels = torch.randint(0, CLASSES, (DATASET,), generator=g)
-    torch.manual_seed(99 + dist.get_rank())  # dropout masks differ per rank, as in torchtitan
+    torch.manual_seed(99 + pp)  # one seed per stage, the same on its DP ranks (as torchtitan)
 
     start, ft = 0, None
     if not a.unprotected:

@@ -1,9 +1,11 @@
 """Shard identity of checkpointed tensors, and the guard against sharded "replicas".
 
-baft's ``dp`` mesh dim means *replicas*: ranks holding identical bytes, which split the
-snapshot work and whose gradients may be averaged. A DTensor sharded over that dim (FSDP2's
-``fully_shard``, or a ``Shard`` placement by hand) holds a different piece on every DP
-rank; restoring it as a replica builds each rank from two ranks' bytes. So:
+baft's ``dp`` axis (the user's ``dp_replicate``, or ``dp``) means *replicas*: ranks
+holding identical bytes, which split the snapshot work and whose gradients may be
+averaged. Sharded data parallelism (FSDP2 over ``dp_shard``) and TP are baft's shard axis:
+every rank checkpoints its own local pieces. A DTensor sharded over the replica dim holds
+a different piece on every replica; restoring it as a replica builds each rank from two
+ranks' bytes. So:
 
 * :func:`check_no_sharded_replicas` refuses, before the first step, any parameter or
   optimizer state whose placements shard over the ranks baft treats as DP replicas (and
@@ -12,7 +14,10 @@ rank; restoring it as a replica builds each rank from two ranks' bytes. So:
   placements over named mesh dims, local offset in the global tensor), which
   :class:`~baft.pipeline.state.TrainingState` puts into its layout digest;
 * :func:`check_replica_layouts` compares the layouts of the DP ranks of each ``(pp, tp)``
-  and names the first tensor whose identity differs.
+  and names the first tensor whose identity differs;
+* :func:`detect_mesh`, :func:`fsdp_reduces_over` and :func:`check_fsdp_supported` read
+  the stages' FSDP2 set-up: the job's mesh when none is given, whether HSDP averages the
+  replicas' gradients itself, and what baft refuses (CPU offload, shards along dim > 0).
 
 Only this module reads DTensor and FSDP internals (``pipeline/`` is the torch adapter).
 Nothing here does I/O or talks to a process group.
@@ -32,6 +37,7 @@ __all__ = [
     "GlobalLayout",
     "check_no_sharded_replicas",
     "check_replica_layouts",
+    "check_fsdp_supported",
     "detect_mesh",
     "fsdp_reduces_over",
     "first_difference",
@@ -246,3 +252,41 @@ def fsdp_reduces_over(modules: Sequence[nn.Module], ranks: Iterable[int]) -> boo
                     return False
                 found = True
     return found
+
+
+def check_fsdp_supported(modules: Sequence[nn.Module]) -> None:
+    """Raise ValueError, before anything is hooked, for what FSDP2 can do and baft cannot
+    restore correctly yet: CPU offload (the sharded parameters and optimizer state live
+    in host memory that FSDP2 moves, not on the device baft copies from) and shards
+    along a dim other than 0 (``shard_placement_fn``): baft's layouts, differential
+    records and DCP keys assume FSDP2's default dim-0 shards."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for i, m in enumerate(modules):
+        fqns = {id(p): fqn for fqn, p in m.named_parameters()}
+        for fqn, sub in m.named_modules():
+            if not isinstance(sub, FSDPModule):
+                continue
+            try:
+                groups = sub._get_fsdp_state()._fsdp_param_groups
+            except (AssertionError, AttributeError):  # internals moved: nothing to check
+                continue
+            where = f"stage module {i} ({type(m).__name__}): {fqn or '<stage module>'}"
+            for g in groups:
+                for fp in g.fsdp_params:
+                    if getattr(fp, "offload_to_cpu", False):
+                        raise ValueError(
+                            f"{where} is fully_shard-ed with CPUOffloadPolicy, which baft "
+                            "does not support yet: drop offload_policy (baft keeps its "
+                            "snapshots in host memory already)"
+                        )
+                    placement = getattr(fp, "fsdp_placement", None)
+                    if placement is not None and getattr(placement, "dim", 0) != 0:
+                        name = fqns.get(id(fp.sharded_param), fp._module_info.param_name)
+                        raise ValueError(
+                            f"{where}: parameter {name} is sharded along dim "
+                            f"{placement.dim} ({placement!r}, from shard_placement_fn); "
+                            "baft supports FSDP2's default Shard(0) only"
+                        )

@@ -93,8 +93,9 @@ def mesh_view(mesh: DeviceMesh, topo: Topology, device: torch.device) -> Mesh:
 REPLICA_DIMS = ("dp_replicate", "dp")
 """Mesh dims whose ranks hold identical bytes (replicas): torchtitan's ``dp_replicate``
 (HSDP's replicate dim, or plain DP), or ``dp``, baft's older name for it."""
-SHARD_DIMS = ("dp_shard", "cp", "tp")
-"""Mesh dims whose ranks hold different pieces: FSDP2's ``dp_shard``, context parallel
+SHARD_DIMS = ("dp_shard", "fsdp", "cp", "tp")
+"""Mesh dims whose ranks hold different pieces: FSDP2's ``dp_shard`` (``fsdp`` in
+torchtitan's newer meshes, which fold ``dp_shard`` x ``cp`` into it), context parallel
 ``cp`` (refused when > 1) and ``tp``. baft folds them, in this order, into one shard axis."""
 MESH_DIMS = ("pp", *REPLICA_DIMS, *SHARD_DIMS)
 """Every dim name :func:`mesh_from_user` understands (torchtitan's, plus ``dp``)."""

@@ -1,9 +1,10 @@
 """Shards are not replicas: ``baft.protect`` refuses them before the first step, and a
 restore checks every shard's identity before it writes a byte (2 gloo ranks).
 
-1. Stages ``fully_shard``-ed over the mesh dim baft calls ``dp``, or DTensor parameters
-   placed ``Shard(0)`` over it, are refused with a message naming the tensor, the dim and
-   the fix; the optimizer is left unhooked. Replicated DTensors pass, and their layout
+1. Stages ``fully_shard``-ed over the mesh dim baft calls ``dp`` (replicas), or DTensor
+   parameters placed ``Shard(0)`` over it, are refused with a message naming the tensor,
+   the dim and the fix (name the dim ``dp_shard``: tests/dist/test_fsdp2_mesh.py); the
+   optimizer is left unhooked. Replicated DTensors pass, and their layout
    records their placements.
 2. DP ranks whose tensors differ in shape but not in bytes are not replicas either (the
    byte count matched; the layout digest does not): refused, naming the first tensor.
@@ -102,10 +103,10 @@ def _refusals(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_sharded_dp_is_refused_before_the_first_step(gloo, tmp_path: Path) -> None:
     got = gloo.run(_refusals, 2, args=(str(tmp_path),), timeout_s=120)
     help_ = (
-        "baft treats the 'dp' mesh dim as replicas (identical bytes on every DP rank); "
-        "sharded data parallelism (FSDP2 / fully_shard, or DTensor Shard placements over "
-        "'dp') is not supported yet (issue 30): use plain DP replicas (parameters "
-        "replicated over 'dp', gradients averaged with ft.average_gradients())"
+        "baft treats the mesh dim 'dp_replicate' (or 'dp') as replicas (identical bytes on "
+        "every rank along it); shard over a dim named 'dp_shard' instead (fully_shard(mesh="
+        "mesh['dp_shard']), or mesh['dp_replicate', 'dp_shard'] for HSDP) and pass that mesh "
+        "as baft.protect(device_mesh=...)"
     )
     for rank, out in enumerate(got):
         assert out["fsdp"] == (
