@@ -63,6 +63,20 @@ def stage_indices(schedule: str, pp_rank: int, num_pp: int, num_virtual: int) ->
     return [s for s, r in enumerate(owner) if r == pp_rank]
 
 
+def schedule_stages(schedule: Any) -> list[PipelineStage]:
+    """The stages a torch schedule object runs on this rank (for callers that hold the
+    schedule but not its stages, as torchtitan's Trainer does). ``_stage``/``_stages``
+    are private attributes of torch's ``PipelineScheduleSingle``/``PipelineScheduleMulti``
+    (no public accessor in torch 2.13); ValueError for anything else."""
+    if isinstance(schedule, _sched.PipelineScheduleSingle):
+        return [schedule._stage]
+    if isinstance(schedule, _sched.PipelineScheduleMulti):
+        return list(schedule._stages)
+    raise ValueError(
+        f"not a torch.distributed.pipelining schedule: {type(schedule).__qualname__}"
+    )
+
+
 def build_schedule(
     name: str,
     stages: Sequence[PipelineStage],
