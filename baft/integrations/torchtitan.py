@@ -137,7 +137,9 @@ def device_mesh_of(parallel_dims: Any) -> Any:
         return None
     for dim, what in (("ep", "expert"), ("cp", "context")):
         if getattr(parallel_dims, dim, 1) > 1:
-            raise ValueError(f"BaftCheckpointManager: {what} parallelism ({dim}>1) is not supported")
+            raise ValueError(
+                f"BaftCheckpointManager: {what} parallelism ({dim}>1) is not supported"
+            )
     if getattr(parallel_dims, "spmd_backend", "") == "spmd_types":
         dims = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     else:
@@ -145,9 +147,28 @@ def device_mesh_of(parallel_dims: Any) -> Any:
     return parallel_dims.get_optional_mesh(dims, include_singleton_axes=True)
 
 
+def checkpoint_config(config: Any, folder: str) -> CheckpointConfig:
+    """baft's configuration from a ``BaftCheckpointManager.Config``: its ``policy`` text,
+    with torchtitan's ``interval`` as ``persist_every`` and ``keep_latest_k`` as
+    ``keep_latest`` unless the text sets ``persist=``/``keep=``; persisted into ``folder``."""
+    given = {i.partition("=")[0].strip() for i in config.policy.split(",") if i.strip()}
+    overrides: dict[str, Any] = {}
+    if "persist" not in given:
+        overrides["persist_every"] = config.interval
+    if "keep" not in given:
+        overrides["keep_latest"] = config.keep_latest_k or KEEP_ALL
+    return CheckpointConfig(
+        policy=dataclasses.replace(CheckpointPolicy.parse(config.policy), **overrides),
+        store=StoreConfig(root=config.store_root, keep_on_close=config.keep_on_close),
+        persist=PersistConfig(dir=folder),
+    )
+
+
 def _check_model_parts(stages: Sequence[Any], model_parts: Sequence[nn.Module]) -> None:
     parts = [s.submod for s in stages]
-    if len(parts) != len(model_parts) or any(a is not b for a, b in zip(parts, model_parts)):
+    if len(parts) != len(model_parts) or any(
+        a is not b for a, b in zip(parts, model_parts, strict=True)
+    ):
         raise ValueError(
             "BaftCheckpointManager: the pipeline schedule's stages do not run the model "
             "parts torchtitan gave the checkpointer (model_parts[i] must be stage i's submod)"
@@ -231,19 +252,8 @@ class BaftCheckpointManager(BaseManager):
         """The :class:`baft.api.Protected` run (``metrics``, ``last_step``, ``inject``)."""
 
     def checkpoint_config(self, config: Config) -> CheckpointConfig:
-        """baft's configuration from the torchtitan one (override for more of baft's)."""
-        given = {i.partition("=")[0].strip() for i in config.policy.split(",") if i.strip()}
-        policy = CheckpointPolicy.parse(config.policy)
-        overrides: dict[str, int] = {}
-        if "persist" not in given:
-            overrides["persist_every"] = config.interval
-        if "keep" not in given:
-            overrides["keep_latest"] = config.keep_latest_k or KEEP_ALL
-        return CheckpointConfig(
-            policy=dataclasses.replace(policy, **overrides),  # type: ignore[arg-type]
-            store=StoreConfig(root=config.store_root, keep_on_close=config.keep_on_close),
-            persist=PersistConfig(dir=self.folder),
-        )
+        """baft's configuration (override to set more of baft's options)."""
+        return checkpoint_config(config, self.folder)
 
     @staticmethod
     def _state_objects(

@@ -27,7 +27,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.pipelining import schedules as _sched
@@ -68,13 +68,12 @@ def schedule_stages(schedule: Any) -> list[PipelineStage]:
     schedule but not its stages, as torchtitan's Trainer does). ``_stage``/``_stages``
     are private attributes of torch's ``PipelineScheduleSingle``/``PipelineScheduleMulti``
     (no public accessor in torch 2.13); ValueError for anything else."""
+    # torch types them as its private ``_PipelineStageBase`` (PipelineStage's base)
     if isinstance(schedule, _sched.PipelineScheduleSingle):
-        return [schedule._stage]
+        return [cast(PipelineStage, schedule._stage)]
     if isinstance(schedule, _sched.PipelineScheduleMulti):
-        return list(schedule._stages)
-    raise ValueError(
-        f"not a torch.distributed.pipelining schedule: {type(schedule).__qualname__}"
-    )
+        return [cast(PipelineStage, s) for s in schedule._stages]
+    raise ValueError(f"not a torch.distributed.pipelining schedule: {type(schedule).__qualname__}")
 
 
 def build_schedule(

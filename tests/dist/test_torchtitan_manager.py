@@ -6,13 +6,15 @@ a warmup ``LambdaLR`` in torchtitan's container, a dataloader with bytes state).
    nothing), 6 steps; every step's state is recorded.
 2. Launch A with baft, 4 steps, a clean end keeping the stores: the same bytes as the
    reference at every step (baft does not change the trajectory).
-3. Launch B (fresh objects, as after a restart): ``load()`` restores from memory; the
-   trainer's step equals the restored version and parameters, optimizer state, LR,
-   scheduler, RNG, dataloader and train state equal the reference after that step
-   (``torch.equal``); it trains on to step 6 and ends on the reference's bytes.
-   ``save`` with a step baft did not count raises and says why.
-4. Launch C persists every step (``interval=1``) into torchtitan's checkpoint folder and
-   ends without keeping the stores; launch D restores from that folder (baft's DCP tier).
+3. Launch B (fresh objects, as after a restart): ``load()`` restores from memory the
+   newest committed version, v3 (the state after step 4 is copied in step 5's idle
+   windows, so a job that ends after step 4 has committed v3); the trainer's step equals
+   it, and parameters, optimizer state, LR, scheduler, RNG, dataloader and train state
+   equal the reference after step 3 (``torch.equal``); it trains on to step 6 on the
+   reference's bytes. ``save`` with a step baft did not count raises and says why.
+4. Launch C persists every version (``interval=1``) into torchtitan's checkpoint folder
+   (``<dump_folder>/checkpoint/v0000000N``) and ends without keeping the stores; launch D
+   restores the newest persisted version from there (baft's DCP tier), bit-exactly.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ def _manager_config(base: Path, *, enable: bool = True, **kw: Any) -> Any:
     from baft.integrations.torchtitan import BaftCheckpointManager
 
     return BaftCheckpointManager.Config(
-        enable=enable, store_root=str(base / "shm"), policy="redundancy=replicate:1",
-        ranks_per_node=1, **kw,
+        enable=enable,
+        store_root=str(base / "shm"),
+        policy="redundancy=replicate:1",
+        ranks_per_node=1,
+        **kw,
     )
 
 
@@ -122,3 +127,39 @@ def test_torchtitan_trainer_restores_bit_exactly(gloo, tmp_path: Path) -> None:
         assert out["c_folder"] == ["baft", "latest", "v00000003", "v00000004", "v00000005"]
         assert (out["d_loaded"], out["d_resumed"], out["d_source"]) == (True, 5, "disk"), out
         assert out["d_diff"] == [], out
+
+
+def _crash_job(rank: int, world: int, root: str) -> None:
+    """Trains with baft and dies right after ``save(4)``, without ``close()``."""
+    from tests.dist.titan_fake import Trainer
+
+    base = Path(root)
+    trainer = Trainer(rank, world, _manager_config(base, interval=100), str(base / "outputs"))
+
+    def die_after_step_4(t: Any) -> None:
+        if t.step == 4:
+            os._exit(9)  # a crash: no close(), no interpreter teardown
+
+    trainer.train(6, after_step=die_after_step_4)
+
+
+def _restart_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    base = Path(root)
+    _, ref, trainer = _run(rank, world, base / "ref", 6, enable=False)
+    trainer.close()
+    loaded, seen, trainer = _run(rank, world, base, 6, interval=100)
+    resumed = seen[0]["train_state"]["step"]
+    out = {"loaded": loaded, "resumed": resumed, "source": seen[0].pop("source")}
+    out["diff"] = [_differences(s, ref[resumed + i]) for i, s in enumerate(seen)]
+    trainer.close()
+    return out
+
+
+def test_crashed_torchtitan_trainer_resumes_from_memory(gloo, tmp_path: Path) -> None:
+    crashed = gloo.start(_crash_job, 2, args=(str(tmp_path),), timeout_s=120).wait(130)
+    assert [o.returncode for o in crashed] == [9, 9], [o.log[-3000:] for o in crashed]
+    got = gloo.run(_restart_job, 2, args=(str(tmp_path),), timeout_s=200)
+    for rank, out in enumerate(got):
+        # step 4's optimizer.step() committed v3; the state after step 4 died uncommitted
+        assert (out["loaded"], out["resumed"], out["source"]) == (True, 3, "memory"), out
+        assert out["diff"] == [[]] * 4, (rank, out["diff"])

@@ -46,7 +46,9 @@ class Configurable:
         config_cls = cls.__dict__.get("Config")
         if config_cls is not None and issubclass(config_cls, Configurable.Config):
             if "__slots__" not in config_cls.__dict__:
-                raise TypeError(f"{cls.__name__}.Config must use @dataclass(kw_only=True, slots=True)")
+                raise TypeError(
+                    f"{cls.__name__}.Config must use @dataclass(kw_only=True, slots=True)"
+                )
             for f in fields(config_cls):
                 if f.init and not f.kw_only:
                     raise TypeError(f"{cls.__name__}.Config field {f.name!r} must be keyword-only")
@@ -158,7 +160,9 @@ def _warmup(warmup: int, step: int) -> float:
 class LRSchedulersContainer:
     def __init__(self, optimizers: OptimizersContainer) -> None:
         lr_lambda = functools.partial(_warmup, 3)  # torchtitan builds a partial too
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in optimizers.optimizers]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in optimizers.optimizers
+        ]
 
     def step(self) -> None:
         for scheduler in self.schedulers:
@@ -252,7 +256,9 @@ class Trainer:
     def snapshot(self) -> dict[str, Any]:
         """Copies of everything a restore must bring back, by name."""
         opt = self.optimizers.optimizers[0]
-        names = dict(zip(opt.param_groups[0]["params"], opt.param_groups[0]["param_names"]))
+        names = dict(
+            zip(opt.param_groups[0]["params"], opt.param_groups[0]["param_names"], strict=True)
+        )
         out: dict[str, Any] = {f"model.{k}": v.detach().clone()
                                for k, v in self.model_parts[0].state_dict().items()}  # fmt: skip
         for p, st in opt.state.items():
