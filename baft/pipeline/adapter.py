@@ -27,7 +27,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.pipelining import schedules as _sched
@@ -61,6 +61,19 @@ def stage_indices(schedule: str, pp_rank: int, num_pp: int, num_virtual: int) ->
     zbv), from the same stage -> rank map the simulator uses."""
     owner = stage_rank(schedule, num_pp, 1 if schedule in _SINGLE_STAGE else num_virtual)
     return [s for s, r in enumerate(owner) if r == pp_rank]
+
+
+def schedule_stages(schedule: Any) -> list[PipelineStage]:
+    """The stages a torch schedule object runs on this rank (for callers that hold the
+    schedule but not its stages, as torchtitan's Trainer does). ``_stage``/``_stages``
+    are private attributes of torch's ``PipelineScheduleSingle``/``PipelineScheduleMulti``
+    (no public accessor in torch 2.13); ValueError for anything else."""
+    # torch types them as its private ``_PipelineStageBase`` (PipelineStage's base)
+    if isinstance(schedule, _sched.PipelineScheduleSingle):
+        return [cast(PipelineStage, schedule._stage)]
+    if isinstance(schedule, _sched.PipelineScheduleMulti):
+        return [cast(PipelineStage, s) for s in schedule._stages]
+    raise ValueError(f"not a torch.distributed.pipelining schedule: {type(schedule).__qualname__}")
 
 
 def build_schedule(

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("demo",),
     ("train",),
+    ("integrations",),
     ("<face>",),
     ("api",),
     ("recover",),
@@ -37,7 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 module may import its own layer and the layers below. Names are the first component
 under ``baft.``; ``<face>`` is ``baft/__init__.py``, the public face, which may import
 only ``api`` and ``config`` (``FACE_MAY_IMPORT``) and sits above the library it exposes.
-``liveness`` (watchdog, SIGTERM) imports nothing from baft; it sits right under its
+``integrations`` (optional framework adapters, e.g. torchtitan's checkpoint manager) sit
+on the library as a user does. ``liveness`` (watchdog, SIGTERM) imports nothing from baft; it sits right under its
 lowest user, the engine (api and recover use it too)."""
 
 FACE_MAY_IMPORT = frozenset({"api", "config"})
