@@ -126,6 +126,23 @@ class Sampler:
         self.position = state["position"]
 
 
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over parameters on several meshes (with TP the blocks live on
+    (dp_shard, tp), the embedding and head on dp_shard): one norm per mesh, combined, as
+    torchtitan does for parameters on different meshes."""
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps]) for ps in by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for ps in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total
+
+
 def sha(t: torch.Tensor) -> str:
     t = t.to_local() if isinstance(t, DTensor) else t
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -230,7 +247,7 @@ def main() -> None:
             schedule.step(target=labels[index], losses=mb_losses)
         else:
             schedule.step()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm(list(model.parameters()), 1.0)
         optimizer.step()
         scheduler.step()
         if mb_losses:
