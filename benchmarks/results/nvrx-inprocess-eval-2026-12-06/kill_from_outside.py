@@ -36,15 +36,28 @@ def workers() -> dict[int, int]:
 
 def lines() -> list[dict]:
     try:
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return [
+            json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()
+        ]
     except (OSError, json.JSONDecodeError):
         return []
 
 
 env = dict(os.environ)
 job = subprocess.Popen(
-    ["baft", "train", "--out", str(out), "--iterations", str(iters), "--max-restarts", str(kills + 1)],
-    stdout=subprocess.DEVNULL, stderr=open(out.parent / (out.name + ".stderr"), "w"), env=env,
+    [
+        "baft",
+        "train",
+        "--out",
+        str(out),
+        "--iterations",
+        str(iters),
+        "--max-restarts",
+        str(kills + 1),
+    ],
+    stdout=subprocess.DEVNULL,
+    stderr=open(out.parent / (out.name + ".stderr"), "w"),
+    env=env,
 )
 results = []
 try:
@@ -53,7 +66,16 @@ try:
         while True:
             w = workers()
             ls = lines()
-            if len(w) == 4 and ls and ls[-1]["iteration"] >= (results[-1]["resumed_at"] + 8 if results else int(os.environ.get("START_AT", "20"))):
+            if (
+                len(w) == 4
+                and ls
+                and ls[-1]["iteration"]
+                >= (
+                    results[-1]["resumed_at"] + 8
+                    if results
+                    else int(os.environ.get("START_AT", "20"))
+                )
+            ):
                 break
             if job.poll() is not None:
                 raise SystemExit(f"job ended early rc={job.returncode}")
@@ -70,8 +92,16 @@ try:
                 while time.monotonic() - t0 < delay:
                     time.sleep(0.01)
                 for r, p in survivors.items():
-                    d = subprocess.run(["/tmp/h4/nvrx/bin/py-spy", "dump", "--native", "--pid", str(p)], capture_output=True, text=True)
-                    print(f"--- t={delay} rank {r} pid {p}\n{d.stdout[-3000:]}{d.stderr[-300:]}", file=sys.stderr, flush=True)
+                    d = subprocess.run(
+                        ["/tmp/h4/nvrx/bin/py-spy", "dump", "--native", "--pid", str(p)],
+                        capture_output=True,
+                        text=True,
+                    )
+                    print(
+                        f"--- t={delay} rank {r} pid {p}\n{d.stdout[-3000:]}{d.stderr[-300:]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         first_iter = None
         final = None
         while first_iter is None and time.monotonic() - t0 < 120:
@@ -95,7 +125,10 @@ try:
             time.sleep(0.01)
         res = {
             "t0_monotonic": round(t0, 3),
-            "kill": k, "victim": victim_rank, "killed_after_iter": last_it, "iter_s": iter_s,
+            "kill": k,
+            "victim": victim_rank,
+            "killed_after_iter": last_it,
+            "iter_s": iter_s,
             "survivors_exit_s": {r: round(t, 2) for r, t in sorted(gone.items())},
             "kill_to_next_iter_s": round(first_iter[0], 2) if first_iter else None,
             "next_iter": first_iter[1] if first_iter else None,
