@@ -3,6 +3,8 @@
 Neither module keeps checkpoint state; both act on the process. :mod:`.watchdog` bounds
 every wait by the job's timeout and runs a heartbeat and hang detector per rank that
 ends the process (torchrun restarts the group); :mod:`.termination` turns SIGTERM into a
-flag the engine votes on, with a grace period after which the process dies of the signal.
+flag the engine votes on, and lets the process die of the signal at once when a peer can
+no longer vote (:mod:`.absence`: its process exited, its heartbeat stopped), else after a
+grace period.
 They import nothing from baft, so every layer above (engine, recover, api) may use them.
 """

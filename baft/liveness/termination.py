@@ -10,39 +10,74 @@ next launch of the same run resumes from that checkpoint (DESIGN.md §3; DLRover
 it "persist at breakpoint").
 
 A SIGTERM that a crashed peer triggers (torchrun stopping the rest of the group before a
-restart) cannot be flushed collectively: the dead rank never votes. So the flag has a
-grace period (three iterations and at least 5 s, see ``grace_s``): when no agreed flush has begun by
-then, the process dies of the SIGTERM as it would have without baft, and the restart is
-not held up; its memory stores keep the newest version for the restart.
+restart) cannot be flushed collectively: the dead rank never votes. So a thread watches
+from the signal on (:meth:`Termination._watch`) and the process dies of the SIGTERM, as
+it would have without baft, as soon as one of these holds, so that the restart is not
+held up (its memory stores keep the newest version for the restart):
+
+- a peer can no longer vote: its process on this host has exited, or its heartbeat (or
+  the store) has been silent for three beats (asked of the running watchdog,
+  :func:`baft.liveness.absence.absent_peer`; checked at once and every 50 ms);
+- the process is leaving without an agreed flush (an error ended training: a collective
+  with the dead rank broke), where the interpreter's finalization would take seconds;
+- the grace period ran out: three iterations and at least 5 s (see :meth:`pace`), the
+  bound when nothing tells a dead peer apart (no watchdog, a remote peer not yet silent).
+
+A preemption SIGTERM reaches every rank and every peer keeps beating, so none of the
+first two holds, and the agreed flush goes ahead as before; once this rank begins it
+(:meth:`Termination.flushing`), the watch ends. A rank that finished cleanly never
+counts as absent.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from baft.liveness.absence import absent_peer
 
 log = logging.getLogger("baft")
 
 
-class Termination:
-    """A SIGTERM flag (installed only from the main thread; a no-op elsewhere)."""
+POLL_S = 0.05
+"""Seconds between two looks for an absent peer while a SIGTERM waits for its flush."""
 
-    def __init__(self, grace_s: float = 2.0, *, max_grace_s: float = 20.0) -> None:
+
+class Termination:
+    """A SIGTERM flag (installed only from the main thread; a no-op elsewhere).
+
+    ``absent``: why a peer can no longer vote, or None (default: ask the running
+    watchdog); tests pass their own."""
+
+    def __init__(
+        self,
+        grace_s: float = 2.0,
+        *,
+        max_grace_s: float = 20.0,
+        absent: Callable[[], str | None] = absent_peer,
+    ) -> None:
         self.requested = False
         self.grace_s = grace_s
         """Seconds from SIGTERM to an agreed flush before dying of the signal anyway."""
         self.max_grace_s = max_grace_s
         """The grace never exceeds the flush's own bound (``TimeoutConfig.flush_s``)."""
+        self.absent = absent
         self._profiled_s = 0.0
         self._last_step: float | None = None
         self._previous: Any = None
         self._installed = False
-        self._timer: threading.Timer | None = None
+        self._settled = threading.Event()
+        """Set once the agreed flush begins or the handler is removed: the watch ends."""
+        self._thread: threading.Thread | None = None
 
     def pace(self, iteration_s: float, *, profiled: bool = False) -> None:
         """Follow the iteration time: the agreed flush comes at the latest two votes
@@ -64,6 +99,7 @@ class Termination:
         if threading.current_thread() is not threading.main_thread():
             return self
         self._previous = signal.signal(signal.SIGTERM, self._handle)
+        atexit.register(self._at_exit)
         self._installed = True
         return self
 
@@ -76,27 +112,49 @@ class Termination:
             "%.1f s), then exiting",
             self.grace_s,
         )
-        self._timer = threading.Timer(self.grace_s, self._die)
-        self._timer.daemon = True
-        self._timer.start()
+        self._thread = threading.Thread(target=self._watch, name="baft-sigterm", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        """Until the agreed flush begins: leave at once when a peer can no longer vote,
+        or when the grace runs out (see the module docstring)."""
+        deadline = time.monotonic() + self.grace_s
+        while not self._settled.is_set():
+            try:
+                why = self.absent()
+            except Exception as e:  # noqa: BLE001 - no evidence: the grace still bounds it
+                log.debug("SIGTERM: cannot tell whether a peer is gone: %s", e)
+                why = None
+            if why is not None:
+                self._die(f"{why}, so no flush can be agreed: exiting without the grace")
+            if time.monotonic() >= deadline:
+                self._die(f"no agreed flush within {self.grace_s:.1f} s (a peer is gone?): exiting")
+            self._settled.wait(POLL_S)
 
     def flushing(self) -> None:
         """Every rank agreed: the flush is on (bounded by its own timeout), keep living."""
-        if self._timer is not None:
-            self._timer.cancel()
+        self._settled.set()
 
-    def _die(self) -> None:
-        """Runs on the timer thread, where Python cannot re-install a signal handler: leave
-        at once with the status a SIGTERM death gives (128 + 15), as without baft."""
-        log.warning(
-            "SIGTERM: no agreed flush within %.1f s (a peer is gone?): exiting", self.grace_s
-        )
+    def _at_exit(self) -> None:
+        """The interpreter is ending after a SIGTERM without an agreed flush (an error
+        ended training, typically a collective the dead rank broke): die of the SIGTERM
+        now instead of finalizing (seconds of tearing torch's objects down). A live child
+        process (a peer library's saver) keeps the normal exit, which joins it."""
+        if self.requested and not self._settled.is_set() and not multiprocessing.active_children():
+            self._die("leaving without an agreed flush (training ended by an error): exiting now")
+
+    @staticmethod
+    def _die(why: str) -> None:
+        """Leave at once with the status a SIGTERM death gives (128 + 15), as without baft
+        (from any thread: Python cannot re-install a signal handler outside the main one)."""
+        log.warning("SIGTERM: %s", why)
         logging.shutdown()
+        sys.stderr.flush()
         os._exit(128 + signal.SIGTERM)
 
     def uninstall(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._settled.set()
         if self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            atexit.unregister(self._at_exit)
             self._installed = False

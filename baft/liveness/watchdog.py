@@ -49,7 +49,6 @@ import faulthandler
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -61,6 +60,15 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from baft.liveness.absence import (
+    PeerBeat,
+    absent,
+    is_stopped,
+    kill_if_stopped,
+    set_witness,
+    start_time,
+)
 
 HANGS_FILE = "hangs.jsonl"
 """Under the run directory: one record per hang a watchdog detected (read by restore)."""
@@ -193,42 +201,7 @@ def bound_waits(mesh: Any, runner: Any, timeout_s: float) -> None:
     runner.protected.wait_timeout_s = timeout_s
 
 
-# ---------------------------------------------------------------------- process helpers
-def _start_time(pid: int) -> str | None:
-    """Start time of ``pid`` (clock ticks since boot), to tell a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _proc_state(pid: int) -> str:
-    """One-letter state of ``pid`` from ``/proc`` (``T`` = stopped), '' if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _is_stopped(pid: int, start: str) -> bool:
-    """``pid`` is still the process that started at ``start``, and it is stopped."""
-    return bool(start) and _start_time(pid) == start and _proc_state(pid) in ("T", "t")
-
-
-def _kill_if_stopped(pid: int, start: str) -> bool:
-    """SIGKILL ``pid`` if it is still the process that started at ``start`` and it is
-    stopped. A stopped process leaves a pending SIGTERM pending, so torchrun would wait
-    its 30 s grace for it; a running one (even a hung one) dies of torchrun's SIGTERM."""
-    if not _is_stopped(pid, start):
-        return False
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        return False
-    return True
-
-
+# ---------------------------------------------------------------------- hang records
 def append_hang(run_dir: Path, record: dict[str, Any]) -> None:
     """Append one record to ``hangs.jsonl`` in one write on an O_APPEND fd."""
     path = Path(run_dir) / HANGS_FILE
@@ -335,7 +308,33 @@ class Watchdog:
             self._threads.append(t)
         self._chained_hook = sys.excepthook
         sys.excepthook = self._excepthook
+        set_witness(self.absent_peer)  # asked by the SIGTERM handling
         return self
+
+    def absent_peer(self) -> str | None:
+        """Why a watched peer can no longer take part (its process on this host exited,
+        its heartbeat or the store silent for more than three beats), or None; see
+        :func:`baft.liveness.absence.absent`. Called from any thread."""
+        now = time.monotonic()
+        with self._lock:
+            seen = dict(self._seen)
+            store_silent = now - self._store_ok_at
+        beats = []
+        for p in self.peers:
+            raw_at_info = seen.get(p)
+            if raw_at_info is None:
+                beats.append(PeerBeat(p, self._started))
+                continue
+            _, at, info = raw_at_info
+            beats.append(
+                PeerBeat(
+                    p, at, host=str(info.get("host", "")), pid=int(info.get("pid") or 0),
+                    start=str(info.get("start") or ""), done=bool(info.get("done")),
+                )
+            )  # fmt: skip
+        return absent(
+            now, beats, here=self.hostname, store_silent_s=store_silent, quiet_s=3 * self.beat_s
+        )
 
     def _excepthook(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
         """An exception ends the process outside any section (a collective of the
@@ -403,6 +402,7 @@ class Watchdog:
             time.sleep(self.beat_s / 20)
         self._stop.set()
         self._wake.set()
+        set_witness(None)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._chained_hook
         for t in self._threads:
@@ -422,7 +422,7 @@ class Watchdog:
 
     def _beat_loop(self) -> None:
         store: Any = None
-        me = {"pid": os.getpid(), "host": self.hostname, "start": _start_time(os.getpid())}
+        me = {"pid": os.getpid(), "host": self.hostname, "start": start_time(os.getpid())}
         unseen = set(self.peers)
         while not self._stop.is_set():
             try:
@@ -509,7 +509,7 @@ class Watchdog:
             info = seen.get(r, (b"", 0.0, {}))[2]
             if info.get("host") == self.hostname and info.get("pid"):
                 pid, start = int(info["pid"]), str(info.get("start") or "")
-                if _is_stopped(pid, start):
+                if is_stopped(pid, start):
                     frozen[r] = (pid, start)
         # The record goes to disk before the kill: once a worker dies torchrun tears the
         # group down within its monitor interval (0.1 s), and its SIGTERM would end this
@@ -531,7 +531,7 @@ class Watchdog:
                 "monotonic": now,
             },
         )
-        killed = [r for r, (pid, start) in frozen.items() if _kill_if_stopped(pid, start)]
+        killed = [r for r, (pid, start) in frozen.items() if kill_if_stopped(pid, start)]
         if killed:
             _log.error(
                 "baft watchdog (rank %d): killed frozen rank(s) %s on this host", self.rank, killed

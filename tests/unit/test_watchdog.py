@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from baft.liveness import absence
 from baft.liveness import watchdog as wdm
 from baft.liveness.watchdog import PeerView, Verdict, Watchdog, decide
 
@@ -90,14 +91,14 @@ def test_hang_records_roundtrip(tmp_path: Path) -> None:
 def test_only_a_stopped_process_with_the_same_start_time_is_killed() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        start = wdm._start_time(proc.pid)
+        start = absence.start_time(proc.pid)
         assert start is not None
-        assert not wdm._kill_if_stopped(proc.pid, start)  # running: torchrun's SIGTERM works
+        assert not absence.kill_if_stopped(proc.pid, start)  # running: torchrun's SIGTERM works
         os.kill(proc.pid, signal.SIGSTOP)
-        while wdm._proc_state(proc.pid) != "T":
+        while absence.proc_state(proc.pid) != "T":
             time.sleep(0.01)
-        assert not wdm._kill_if_stopped(proc.pid, str(int(start) + 1))  # another process
-        assert wdm._kill_if_stopped(proc.pid, start)
+        assert not absence.kill_if_stopped(proc.pid, str(int(start) + 1))  # another process
+        assert absence.kill_if_stopped(proc.pid, start)
         assert proc.wait(timeout=10) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
@@ -233,6 +234,35 @@ def test_a_finished_rank_is_not_a_hang(tmp_path: Path) -> None:
     finally:
         dogs[0].stop()
         del master
+
+
+@pytest.mark.timeout(60)
+def test_the_running_watchdog_tells_the_sigterm_handling_a_peer_exited(tmp_path: Path) -> None:
+    """Started, the watchdog is the process's witness: a peer on this host whose process
+    is gone (its heartbeat's pid and start time) is absent at once; stopped, it is not."""
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = absence.start_time(peer.pid)
+    dog = _live_dog(tmp_path, port, 0, timeout_s=5.0)
+    try:
+        beat = {"host": dog.hostname, "pid": peer.pid, "start": start, "section": "iteration 3"}
+        with dog._lock:
+            dog._seen[1] = (b"x", time.monotonic(), beat)
+        assert absence.absent_peer() is None
+        peer.kill()
+        peer.wait()
+        assert absence.absent_peer() == f"rank 1 has exited (pid {peer.pid} on this host)"
+        with dog._lock:
+            dog._seen[1] = (b"y", time.monotonic(), dict(beat, done=True))
+        assert absence.absent_peer() is None  # it had finished cleanly
+    finally:
+        dog.stop()
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+        del master
+    assert absence.absent_peer() is None
 
 
 def test_recovery_attributes_the_hang_that_began_its_chain(tmp_path: Path) -> None:
