@@ -166,7 +166,7 @@ def arguments() -> argparse.Namespace:
 
 
 def checkpoint_config(a: argparse.Namespace) -> baft.CheckpointConfig:  # baft
-    full_every = a.full_every if a.full_every == "auto" else int(a.full_every)
+    full_every = 0 if a.full_every == "auto" else int(a.full_every)  # 0: auto
     policy = baft.CheckpointPolicy(
         redundancy=a.redundancy, persist_every=a.persist_every, full_every=full_every
     )
