@@ -35,7 +35,7 @@ import queue
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -312,9 +312,9 @@ PLAIN_VALUES = (bool, int, float, str, type(None))
 
 
 def _plain(value: Any) -> bool:
-    if isinstance(value, torch.Tensor | PLAIN_VALUES):
+    if isinstance(value, (torch.Tensor, *PLAIN_VALUES)):
         return True
-    return isinstance(value, tuple | list) and all(_plain(v) for v in value)
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
 class SaveHandle:
