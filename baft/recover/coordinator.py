@@ -206,8 +206,7 @@ def coordinate_located(
             raise
         version = max(persisted_versions)
         return RecoveryPlan(version=version, source="disk"), (
-            f"v={version} from disk (newest persisted): memory cannot serve a changed "
-            f"layout ({err.detail})"
+            f"v={version} from disk (newest persisted): memory holds another layout ({err.detail})"
         )
     present = [c.inventory for cs in copies.values() for c in cs]
     committed = max((i.committed for i in present if i.committed is not None), default=None)
