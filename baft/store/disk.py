@@ -4,7 +4,9 @@ Every N committed versions the engine hands one version's flat state (canonical 
 tensors that are views of snapshot buffers, DTensors for TP shards) to a
 :class:`Persister`. A dedicated thread writes it with ``torch.distributed.checkpoint.save``
 and a ``FileSystemWriter`` over a dedicated (gloo) process group, so the result loads
-with plain ``dcp.load`` into a fresh full model.
+with plain ``dcp.load`` into a fresh model and optimizer, in any shard layout: the keys
+follow torch's conventions (:mod:`baft.store.keys`), DTensor pieces keep their global
+placements, and non-tensor values (torch's flattened ``param_groups``) are plain data.
 
 Layout under ``directory``::
 
