@@ -160,6 +160,42 @@ def final_state(model: Model, optimizer: torch.optim.Optimizer, extra: dict[str,
     return out
 
 
+def full_state(model: Model, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This stage's gathered parameters and optimizer state, keyed as torch's
+    ``get_model_state_dict`` / flattened ``get_optimizer_state_dict`` key them.
+    Collective over the stage's ``dp_shard`` ranks (``full_tensor``)."""
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    out: dict[str, Any] = {"model": {}, "optim": {}}
+    for fqn, p in model.named_parameters():
+        out["model"][fqn] = full(p)
+        for key, v in optimizer.state[p].items():
+            out["optim"][f"state.{fqn}.{key}"] = full(v) if isinstance(v, torch.Tensor) else v
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            for k, v in g.items():
+                if k != "params":
+                    out["optim"][f"param_groups.{names[id(p)]}.{k}"] = v
+    return out
+
+
+def dump_full(model: Model, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """``--dump-full``: every stage's :func:`full_state`, merged, saved by rank 0."""
+    mine = full_state(model, optimizer)
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() == 0:
+        merged: dict[str, Any] = {"model": {}, "optim": {}}
+        for part in gathered:
+            merged["model"].update(part["model"])
+            merged["optim"].update(part["optim"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(merged, path)
+
+
 def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="runs/fsdp2")
@@ -171,6 +207,11 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--unprotected", action="store_true", help="the same loop without baft")
+    p.add_argument(
+        "--dump-full",
+        default="",
+        help="directory: rank 0 saves the gathered state at each iteration's start (v<it>.pt)",
+    )
     b = p.add_argument_group("baft (defaults: baft's)")
     b.add_argument("--redundancy", default="xor:2")
     b.add_argument("--persist-every", type=int, default=50, help="DCP every N checkpoints")
@@ -178,16 +219,17 @@ def arguments() -> argparse.Namespace:
     b.add_argument("--ranks-per-node", type=int, default=0, help="ranks per failure domain")
     b.add_argument("--store-root", default="", help="host-memory store (default /dev/shm)")
     b.add_argument("--job-id", default="")
+    b.add_argument("--keep-stores", action="store_true", help="keep the stores at the end")
     b.add_argument("--timeout", type=float, default=60.0, help="collective/watchdog seconds")
     return p.parse_args()
 
 
 def checkpoint_config(a: argparse.Namespace) -> baft.CheckpointConfig:  # baft
-    full_every = a.full_every if a.full_every == "auto" else int(a.full_every)
+    full_every = 0 if a.full_every == "auto" else int(a.full_every)  # 0: auto
     policy = baft.CheckpointPolicy(
         redundancy=a.redundancy, persist_every=a.persist_every, full_every=full_every
     )
-    store = baft.StoreConfig(job_id=a.job_id)
+    store = baft.StoreConfig(job_id=a.job_id, keep_on_close=a.keep_stores)
     if a.store_root:
         store.root = a.store_root
     return baft.CheckpointConfig(
@@ -238,6 +280,8 @@ def main() -> None:
         start = ft.restore()  # baft: 0 on a fresh job, the restored version after a crash
     losses: dict[int, float] = {}
     for it in range(start, a.iterations):
+        if a.dump_full:  # the state of version ``it``
+            dump_full(model, optimizer, Path(a.dump_full) / f"v{it:08d}.pt")
         index = sampler.next_batch()
         optimizer.zero_grad()
         mb_losses: list[torch.Tensor] = []
@@ -252,6 +296,8 @@ def main() -> None:
         scheduler.step()
         if mb_losses:
             losses[it] = float(torch.stack(mb_losses).detach().mean())
+    if a.dump_full:
+        dump_full(model, optimizer, Path(a.dump_full) / f"v{a.iterations:08d}.pt")
     if ft is not None:
         ft.close()  # baft
     extra = {"scheduler": repr(scheduler.state_dict()), "sampler": sampler.state_dict()}

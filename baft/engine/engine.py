@@ -103,6 +103,7 @@ class CheckpointEngine:
             parts.persister, every=self.policy.persist_every, interval=self.policy.every,
             keys=self.persist_keys, topology=topology, rank=rank, flat=self.flat,
             device=device, layout_digests=self.layout_digests, fire=self._fire,
+            sharded=self.persist_layouts, param_groups=_param_groups(state),
         )  # fmt: skip
         self.enabled = True
         self.skip_version: int | None = None
@@ -400,3 +401,13 @@ class CheckpointEngine:
                 run_dir=self.run_dir, rank=self.rank,
             )  # fmt: skip
         self.transport.close()
+
+
+def _param_groups(state: StateSource) -> list[list[str]]:
+    """Parameter FQNs of every param group of ``state``'s optimizer (torch's order; none
+    for a state source without one, as the engine's test doubles)."""
+    optimizer = getattr(state, "optimizer", None)
+    if optimizer is None:
+        return []
+    fqn = {id(p): n for n, p in state.named_params().items()}
+    return [[fqn[id(p)] for p in g["params"] if id(p) in fqn] for g in optimizer.param_groups]

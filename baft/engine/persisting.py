@@ -9,22 +9,29 @@
   bounded, because the process is about to exit.
 
 DP replicas hold the same state: each persists its share of whole tensors
-(:func:`replica_share`), so every key is written exactly once. :class:`Persisting` owns
-the cadence (one rule for all three: :meth:`Persisting.due`) and the save in flight.
+(:func:`replica_share`). Ranks along the shard axis (TP, FSDP2's ``dp_shard``) each write
+their piece of every DTensor, but a plain tensor (FSDP2's optimizer ``step``) only from
+shard rank 0, and that rank adds torch's flattened ``optimizer.param_groups.<fqn>.<k>``
+entries decoded from the version's hyperparameter record (:func:`writes_of`): every key
+is written by one rank. :class:`Persisting` owns the cadence (one rule for all three:
+:meth:`Persisting.due`) and the save in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
 from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState, typed_view
-from baft.store.disk import KEYS_META, Persister, PersistKeys, SaveHandle, persist_name
+from baft.pipeline.state import decode_record
+from baft.plan import names
+from baft.store.disk import Persister, SaveHandle
+from baft.store.keys import KEYS_META, PersistKeys, persist_name
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
@@ -35,6 +42,29 @@ def replica_share(
 ) -> list[tuple[str, torch.Tensor]]:
     """DP replica ``dp``'s share of whole tensors (every ``num_dp``-th, from its index)."""
     return [(n, t) for i, (n, t) in enumerate(named) if i % num_dp == dp]
+
+
+def writes_of(
+    state: dict[str, Any],
+    *,
+    keys: PersistKeys,
+    shard: int,
+    sharded: Collection[str],
+    meta_key: str | None,
+    param_groups: Sequence[Sequence[str]],
+) -> dict[str, Any]:
+    """What one rank writes of ``state`` (DCP key -> tensor): on shard rank ``shard`` > 0
+    only its DTensor pieces (``sharded`` keys) and its own records (``extra.*``), since
+    its plain tensors are shard rank 0's too; on shard rank 0 also, when ``state`` holds
+    the hyperparameter record (``meta_key``), torch's flattened param-group entries of
+    its parameters (``param_groups``: FQNs per group)."""
+    if shard:
+        return {k: v for k, v in state.items() if k in sharded or k.startswith(names.EXTRA)}
+    out = dict(state)
+    if meta_key is not None and meta_key in state and keys.writes_param_groups:
+        record = decode_record(state[meta_key])
+        out.update(keys.param_groups(param_groups, record["hypers"]))
+    return out
 
 
 def slot_views(
@@ -139,6 +169,8 @@ class Persisting:
         device: torch.device,
         layout_digests: dict[str, str],
         fire: Callable[[str, int], None] = lambda point, iteration: None,
+        sharded: Collection[str] = (),
+        param_groups: Sequence[Sequence[str]] = (),
     ) -> None:
         self.persister = persister
         self.every = every
@@ -151,6 +183,20 @@ class Persisting:
         self._fire = fire
         self._copy = LiveCopy(device, keys)
         self._inflight: tuple[int, SaveHandle] | None = None
+        self.sharded = frozenset(sharded)
+        """DCP keys of DTensor pieces (every shard rank writes its own)."""
+        self.param_groups = [list(g) for g in param_groups]
+        """Parameter FQNs of every optimizer param group (torch's ``param_groups``)."""
+        c = topology.coords(rank)
+        self._shard = c.tp
+        meta = [n for n in flat.names if n.startswith(names.extra_prefix(c.pp, c.tp) + "meta.")]
+        self._meta_key = keys(meta[0]) if meta else None
+
+    def _writes(self, state: dict[str, Any]) -> dict[str, Any]:
+        return writes_of(
+            state, keys=self.keys, shard=self._shard, sharded=self.sharded,
+            meta_key=self._meta_key, param_groups=self.param_groups,
+        )  # fmt: skip
 
     def due(self, version: int) -> bool:
         """The cadence, one rule for slot views, the live copy and nothing else: the
@@ -198,18 +244,18 @@ class Persisting:
 
         self._start(version, views)
 
-    def _start(self, version: int, state: Callable[[], dict[str, torch.Tensor]]) -> None:
+    def _start(self, version: int, state: Callable[[], dict[str, Any]]) -> None:
         assert self.persister is not None
         self._fire("persist", version)
         self.join()
-        handle = self.persister.save_async(version, state(), self.meta(version))
+        handle = self.persister.save_async(version, self._writes(state()), self.meta(version))
         self._inflight = (version, handle)
 
     def flush(self, version: int, timeout_s: float, where: str | None) -> None:
         """SIGTERM: persist the live state (version ``version``) now, within ``timeout_s``."""
         if self.persister is None:
             return
-        state = {self.keys(n): t for n, t in self._share()}
+        state = self._writes({self.keys(n): t for n, t in self._share()})
         flush(self.persister, version, state, self.meta(version), timeout_s, str(where))
 
     def meta(self, version: int) -> dict[str, Any]:

@@ -35,6 +35,11 @@ SHARD_KINDS = ("local", "remote", "replica", "parity")
 class TopologyMismatchError(ValueError):
     """Stores hold snapshots written under other pp/dp/tp sizes than the job's now."""
 
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail or message
+        """What differs, without the advice."""
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class StoreRef:
@@ -192,8 +197,17 @@ def coordinate_located(
 
     ``located``: every store seen on any host (duplicates of one directory are merged);
     ``hosts``: the host of every current rank. Raises :class:`TopologyMismatchError` when
-    a store was written under other pp/dp/tp sizes."""
-    copies = _copies(topology, located, hosts)
+    a store was written under other pp/dp/tp sizes and nothing is persisted (memory
+    cannot serve a changed layout; a persisted checkpoint can, resharded by DCP)."""
+    try:
+        copies = _copies(topology, located, hosts)
+    except TopologyMismatchError as err:
+        if not persisted_versions:
+            raise
+        version = max(persisted_versions)
+        return RecoveryPlan(version=version, source="disk"), (
+            f"v={version} from disk (newest persisted): memory holds another layout ({err.detail})"
+        )
     present = [c.inventory for cs in copies.values() for c in cs]
     committed = max((i.committed for i in present if i.committed is not None), default=None)
     candidates = sorted({v.version for inv in present for v in inv.versions}, reverse=True)
@@ -299,11 +313,14 @@ def _check_topology(topology: Topology, loc: LocatedInventory) -> None:
             continue
         got = (m.num_pp, m.num_dp, m.num_tp)
         if got != want:
-            raise TopologyMismatchError(
+            detail = (
                 f"store {loc.store} holds v{m.version} written under pp={got[0]} dp={got[1]} "
-                f"tp={got[2]}, but this job runs pp={want[0]} dp={want[1]} tp={want[2]}: "
-                "restart with the old sizes, or remove the job's snapshot stores "
-                "(baft inspect shows them) to start from a DCP checkpoint or afresh"
+                f"tp={got[2]}, but this job runs pp={want[0]} dp={want[1]} tp={want[2]}"
+            )
+            raise TopologyMismatchError(
+                f"{detail}: restart with the old sizes, or remove the job's snapshot stores "
+                "(baft inspect shows them) to start from a DCP checkpoint or afresh",
+                detail,
             )
         if m.rank != loc.inventory.rank or m.rank >= topology.world_size:
             raise TopologyMismatchError(

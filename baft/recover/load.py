@@ -5,7 +5,8 @@
 - :func:`load_window`: a differential version: every payload of its window rebuilt and
   assembled, then the newest slices loaded and the gradient records replayed
   (:func:`baft.recover.differential.rebuild_from_payloads`).
-- :func:`load_from_disk`: a DCP checkpoint of the disk tier (:mod:`baft.store.disk`).
+- :func:`load_from_disk`: a DCP checkpoint of the disk tier (:mod:`baft.store.disk`),
+  resharded when the job's shard layout changed (:mod:`baft.recover.reshard`).
 
 Each ends by applying the small state (RNG, hyperparameters, ``state=`` objects), which
 travels inside the flat state; the data position is the version itself.
@@ -23,10 +24,12 @@ from baft.plan.payload import PayloadLayout
 from baft.recover.coordinator import RecoveryPlan
 from baft.recover.differential import DeferredState, RestoreError, rebuild_from_payloads
 from baft.recover.inventory import HostStores
+from baft.recover.reshard import load_resharded
 from baft.recover.restorable import Restorable
 from baft.recover.transfer import exchange_replicas, rebuild_shard
 from baft.recover.window import Window
-from baft.store.disk import check_persist_keys, load_version, read_metadata, version_dir
+from baft.store.disk import load_version, read_metadata, version_dir
+from baft.store.keys import loading_keys
 
 
 def load_from_shards(engine: Restorable, plan: RecoveryPlan, shard: np.ndarray) -> None:
@@ -80,18 +83,31 @@ def load_window(
     return done
 
 
-def load_from_disk(engine: Restorable, plan: RecoveryPlan, directory: str) -> None:
+def load_from_disk(
+    engine: Restorable, plan: RecoveryPlan, directory: str, resharded: bool = False
+) -> None:
     """Load DCP checkpoint ``plan.version`` of ``directory`` into the live tensors (its
-    key scheme checked first). Collective over the transport's process group."""
+    key scheme checked first); ``resharded``: it was written by another shard layout
+    (:mod:`baft.recover.reshard`). Collective over the transport's process group."""
     assert plan.version is not None
     where = version_dir(directory, plan.version)
-    key = engine.persist_keys
-    check_persist_keys(read_metadata(directory, plan.version), key, str(where))
+    meta = read_metadata(directory, plan.version)
+    key = loading_keys(meta, engine.persist_keys, str(where))
+    group = getattr(engine.transport, "group", None)  # a torch transport's process group
+    own = engine.persist_keys
+    layouts = {  # by the keys read (an older scheme names optimizer state otherwise)
+        key(n): engine.persist_layouts[own(n)]
+        for n in engine.flat.names
+        if own(n) in engine.persist_layouts
+    }
+    if resharded:
+        load_resharded(
+            engine, directory, plan.version, saved=meta.get("layouts") or {}, keys=key,
+            layouts=layouts, group=group,
+        )  # fmt: skip
+        return
     flat = engine.flat
     state = {key(n): t for n, t in zip(flat.names, flat.tensors, strict=True)}
-    group = getattr(engine.transport, "group", None)  # a torch transport's process group
     with torch.no_grad():
-        load_version(
-            directory, plan.version, state, process_group=group, layouts=engine.persist_layouts
-        )
+        load_version(directory, plan.version, state, process_group=group, layouts=layouts)
     engine.apply_small_state()

@@ -41,6 +41,7 @@ from baft.recover.identity import check_identity, layout_key, shard_records
 from baft.recover.inventory import HostStores, agree, reclaim_stores
 from baft.recover.load import load_from_disk, load_from_shards, load_window, rebuild_payload
 from baft.recover.report import RecoveryReport, completed_iterations, report_hang
+from baft.recover.reshard import layout_change
 from baft.recover.restorable import Restorable
 from baft.recover.startover import never_silently_fresh
 from baft.recover.transfer import rebuild_shard
@@ -85,12 +86,16 @@ def recover_and_start(
         engine.start(0)
         return 0, None
     report = RecoveryReport(run_dir, attempt)
-    if plan.source in ("memory", "disk"):
+    reshard = _layout_change(engine, plan)
+    if reshard is not None:  # checked key by key against the checkpoint's metadata instead
+        agreed.reason += f"; {reshard}"
+        report.record["resharded"] = reshard
+    elif plan.source in ("memory", "disk"):
         _check_saved_layout(engine)  # a changed model is refused before any byte is written
         _check_identity(engine, agreed)
     if engine.injector is not None:
         engine.injector.fire("recovery", plan.version or 0)
-    _rebuild_and_load(engine, agreed, report)
+    _rebuild_and_load(engine, agreed, report, resharded=reshard is not None)
     reclaimed = reclaim_stores(
         agreed.stores, engine.transport, engine.topology, plan, agreed.located
     )
@@ -162,7 +167,18 @@ def _check_identity(engine: Restorable, agreed: Agreement) -> None:
     check_identity(records, key, mine)
 
 
-def _rebuild_and_load(engine: Restorable, agreed: Agreement, report: RecoveryReport) -> None:
+def _layout_change(engine: Restorable, plan: RecoveryPlan) -> str | None:
+    """Why a restore from disk goes into another shard layout (None: the same one, or
+    not from disk); see :func:`baft.recover.reshard.layout_change`."""
+    if plan.source != "disk" or plan.version is None or engine.persist_dir is None:
+        return None
+    saved = read_metadata(engine.persist_dir, plan.version).get("layouts")
+    return layout_change(saved, engine.layout_digests)
+
+
+def _rebuild_and_load(
+    engine: Restorable, agreed: Agreement, report: RecoveryReport, *, resharded: bool = False
+) -> None:
     """Phase 3: the agreed version into the live state (or, starting over, nothing);
     the own store forgets its versions unless the restore came from memory."""
     plan, window = agreed.plan, agreed.window
@@ -179,7 +195,7 @@ def _rebuild_and_load(engine: Restorable, agreed: Agreement, report: RecoveryRep
         load_from_shards(engine, plan, shard)
     elif plan.source == "disk":
         assert engine.persist_dir is not None
-        load_from_disk(engine, plan, engine.persist_dir)
+        load_from_disk(engine, plan, engine.persist_dir, resharded=resharded)
         engine.forget_versions()
     else:  # starting over (see never_silently_fresh): no version of before is kept
         engine.forget_versions()

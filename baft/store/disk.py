@@ -4,7 +4,9 @@ Every N committed versions the engine hands one version's flat state (canonical 
 tensors that are views of snapshot buffers, DTensors for TP shards) to a
 :class:`Persister`. A dedicated thread writes it with ``torch.distributed.checkpoint.save``
 and a ``FileSystemWriter`` over a dedicated (gloo) process group, so the result loads
-with plain ``dcp.load`` into a fresh full model.
+with plain ``dcp.load`` into a fresh model and optimizer, in any shard layout: the keys
+follow torch's conventions (:mod:`baft.store.keys`), DTensor pieces keep their global
+placements, and non-tensor values (torch's flattened ``param_groups``) are plain data.
 
 Layout under ``directory``::
 
@@ -35,7 +37,7 @@ import queue
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +51,15 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
+
+from baft.store.keys import (  # noqa: F401 - re-exported: the disk tier's key schemes
+    KEYS_META,
+    PersistKeys,
+    check_persist_keys,
+    choose_persist_keys,
+    loading_keys,
+    persist_name,
+)
 
 COMPLETE_MARKER = ".complete"
 """File inside a version directory that marks the checkpoint complete."""
@@ -96,89 +107,6 @@ def as_dtensors(
             )
         )
     return out
-
-
-def persist_name(flat_name: str) -> str:
-    """DCP key of a flat-state tensor: model params and persistent buffers keep their
-    plain FQN (the keys of ``module.state_dict()``, so a persisted checkpoint loads into
-    a fresh model with plain ``dcp.load``), optimizer state and records keep their names."""
-    for prefix in ("model.", "buffer."):
-        if flat_name.startswith(prefix):
-            return flat_name[len(prefix) :]
-    return flat_name
-
-
-KEYS_META = "dcp_keys"
-"""Entry of a checkpoint's metadata naming its key scheme (absent: ``"fqn"``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PersistKeys:
-    """How one rank names its flat-state tensors in DCP checkpoints.
-
-    ``scheme="fqn"``: :func:`persist_name` (plain FQNs, loadable into a fresh full
-    model). ``scheme="pp"``: every key but the ``extra.*`` records (which carry their
-    coordinates already) gets the rank's pipeline coordinate, ``pp{pp}.``, in front, for
-    jobs whose stages share FQNs (a fresh ``nn.Sequential`` per stage): DCP keeps one
-    writer per key, so unprefixed stages would overwrite each other. The same on every
-    rank and launch: :func:`choose_persist_keys` decides it from every stage's names.
-    """
-
-    scheme: str = "fqn"
-    """"fqn" or "pp"."""
-    pp: int = 0
-    """This rank's pipeline coordinate (used by "pp")."""
-
-    def __post_init__(self) -> None:
-        assert self.scheme in ("fqn", "pp"), self.scheme
-
-    def __call__(self, flat_name: str) -> str:
-        """DCP key of ``flat_name`` (``model.<fqn>``, ``buffer.<fqn>``, ``optim.*``, ``extra.*``)."""
-        key = persist_name(flat_name)
-        if self.scheme == "pp" and not flat_name.startswith("extra."):
-            return f"pp{self.pp}.{key}"
-        return key
-
-
-def choose_persist_keys(stage_names: Iterable[tuple[int, Iterable[str]]]) -> tuple[str, str]:
-    """The key scheme of a job (pure): ``("fqn", reason)`` when no DCP key of a flat-state
-    name repeats across pipeline coordinates, else ``("pp", reason)`` naming one that does.
-
-    ``stage_names``: (pp coordinate, flat-state names) of one rank per pipeline
-    coordinate, or of more (TP and DP peers of a stage share names; that is no clash)."""
-    owner: dict[str, int] = {}
-    for pp, names in sorted(stage_names, key=lambda s: s[0]):
-        for name in names:
-            if name.startswith("extra."):
-                continue
-            key = persist_name(name)
-            first = owner.setdefault(key, pp)
-            if first != pp:
-                return "pp", (
-                    f"DCP keys carry the pipeline stage (pp<i>.<fqn>): {key!r} is on "
-                    f"pp{first} and pp{pp}"
-                )
-    return "fqn", "DCP keys are the plain FQNs (unique across pipeline stages)"
-
-
-def check_persist_keys(meta: dict[str, Any], keys: PersistKeys, where: str) -> None:
-    """Raise ValueError unless checkpoint metadata ``meta`` (of ``where``) was written
-    with ``keys``' scheme; call it before loading a byte."""
-    saved = meta.get(KEYS_META, "fqn")
-    if saved == keys.scheme:
-        return
-    if keys.scheme == "pp":
-        raise ValueError(
-            f"{where} keys tensors by their plain FQNs, but this job's pipeline stages share "
-            f"FQNs: its stages overwrote each other's tensors in it, so it cannot be restored "
-            f"(written by a baft without stage-unique keys). Delete it, or pick another "
-            f"CheckpointConfig.persist.dir, and start over (allow_fresh_start=True)"
-        )
-    raise ValueError(
-        f"{where} keys tensors as {saved!r} (pp<i>.<fqn>: its stages shared FQNs), but "
-        f"this job's FQNs are unique across stages, so its model differs from the saved "
-        f"one; restore it with the model it was written with"
-    )
 
 
 def version_dir(directory: str | Path, version: int) -> Path:
@@ -270,14 +198,45 @@ def load_version(
             f"version {version} is not a complete checkpoint in {directory}; "
             f"pick one of {complete} (see latest_version())"
         )
+    wanted = as_dtensors(state, layouts or {})
+    check_against_metadata(wanted, directory, version)
     no_dist = not (dist.is_available() and dist.is_initialized())
     dcp.load(
-        as_dtensors(state, layouts or {}),
+        wanted,
         storage_reader=FileSystemReader(version_dir(directory, version)),
         process_group=process_group,
         no_dist=no_dist,
     )
     return read_metadata(directory, version)
+
+
+def check_against_metadata(
+    state: Mapping[str, torch.Tensor], directory: str | Path, version: int
+) -> None:
+    """Raise ValueError naming every key of ``state`` that checkpoint ``version`` lacks or
+    holds with another global shape or dtype (DTensors by their global shape); before a
+    byte is read. DCP itself refuses a missing key or another size, but would convert
+    another dtype silently; this names all of them at once."""
+    saved = FileSystemReader(version_dir(directory, version)).read_metadata()
+    problems: list[str] = []
+    for key, t in state.items():
+        md = saved.state_dict_metadata.get(key)
+        if md is None:
+            problems.append(f"{key} (absent)")
+            continue
+        size, props = getattr(md, "size", None), getattr(md, "properties", None)
+        if size is None or props is None:
+            problems.append(f"{key} (saved as an object, not a tensor)")
+        elif tuple(size) != tuple(t.shape) or props.dtype != t.dtype:
+            problems.append(
+                f"{key} (saved {props.dtype}{list(size)}, now {t.dtype}{list(t.shape)})"
+            )
+    if problems:
+        shown = "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
+        raise ValueError(
+            f"{version_dir(directory, version)} does not hold this job's tensors "
+            f"({len(problems)} differ): {shown}; nothing was loaded"
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -325,8 +284,8 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(tensor.dtype)
 
 
-def _compact_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def _compact_state(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for fqn, value in state.items():
         if isinstance(value, DTensor):
             local = value.to_local()
@@ -343,9 +302,21 @@ def _compact_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                     stride=value.stride(),
                 )
             )
-        else:
+        elif isinstance(value, torch.Tensor):
             out[fqn] = _compact(value)
+        else:  # a plain value (optimizer.param_groups.*): DCP pickles it
+            out[fqn] = value
     return out
+
+
+PLAIN_VALUES = (bool, int, float, str, type(None))
+"""Non-tensor values a checkpoint may hold (also inside tuples and lists)."""
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, *PLAIN_VALUES)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
 class SaveHandle:
@@ -384,8 +355,8 @@ class SaveHandle:
 class _Job:
     version: int
     """Version to write."""
-    state: dict[str, torch.Tensor]
-    """Flat state, unchanged until the job finishes."""
+    state: dict[str, Any]
+    """Flat state (tensors, and plain values), unchanged until the job finishes."""
     metadata: dict[str, Any]
     """Caller metadata (JSON-able)."""
     future: Future[None]
@@ -457,13 +428,14 @@ class Persister:
     def save_async(
         self,
         version: int,
-        state: dict[str, torch.Tensor],
+        state: dict[str, Any],
         metadata: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Queue ``state`` as checkpoint ``version`` and return at once.
 
         The tensors (views of snapshot buffers) must stay unchanged until the handle
-        is done. Versions must increase. ``metadata`` must be JSON-able; only the
+        is done; other values must be plain data (:data:`PLAIN_VALUES`, e.g. torch's
+        flattened ``param_groups`` entries), which DCP pickles. Versions must increase. ``metadata`` must be JSON-able; only the
         coordinator's copy is stored.
         """
         if self._closed:
@@ -509,7 +481,7 @@ class Persister:
     def _check_args(
         self,
         version: int,
-        state: dict[str, torch.Tensor],
+        state: dict[str, Any],
         metadata: dict[str, Any] | None,
     ) -> None:
         if not isinstance(version, int) or version < 0:
@@ -520,9 +492,10 @@ class Persister:
                 f"{self._last_version}; persist versions in increasing order"
             )
         for fqn, value in state.items():
-            if not isinstance(fqn, str) or not isinstance(value, torch.Tensor):
+            if not isinstance(fqn, str) or not _plain(value):
                 raise ValueError(
-                    f"state must map FQN strings to tensors; got {fqn!r}: {type(value).__name__}"
+                    f"state must map FQN strings to tensors or plain values; got {fqn!r}: "
+                    f"{type(value).__name__}"
                 )
         try:
             json.dumps(metadata or {})

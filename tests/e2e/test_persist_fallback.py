@@ -15,6 +15,7 @@ from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
 from baft.model.gpt import GPTStage
 from baft.plan.types import CheckpointPolicy
 from baft.store.disk import latest_version, version_dir
+from baft.store.keys import torch_name
 from tests.dist.runs import TINY_MODEL, run_job, tiny_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -57,9 +58,9 @@ def _plain_dcp_state(ckpt: Path) -> dict[str, torch.Tensor]:
     model = GPTStage(TINY_MODEL, 0, TINY_MODEL.num_layers, has_embed=True, has_head=True)
     state: dict[str, torch.Tensor] = dict(model.state_dict())
     for fqn, p in model.named_parameters():
-        state[f"optim.{fqn}.exp_avg"] = torch.zeros_like(p)
-        state[f"optim.{fqn}.exp_avg_sq"] = torch.zeros_like(p)
-        state[f"optim.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
+        state[f"optimizer.state.{fqn}.exp_avg"] = torch.zeros_like(p)
+        state[f"optimizer.state.{fqn}.exp_avg_sq"] = torch.zeros_like(p)
+        state[f"optimizer.state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     return state
 
@@ -82,7 +83,7 @@ def test_dcp_is_plain_loadable_and_power_loss_falls_back_to_it(tmp_path: Path) -
             for name, raw in _snapshot_tensors(job, plan_input, rank, rank // 2).items():
                 if name.startswith("extra."):
                     continue
-                key = name.removeprefix("model.")
+                key = torch_name(name)
                 got = loaded[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                 assert got == raw, name
                 compared += 1

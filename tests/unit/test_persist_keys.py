@@ -18,6 +18,7 @@ from baft.engine.persisting import LiveCopy, slot_views
 from baft.model.gpt import GPTStage
 from baft.pipeline.state import TrainingState
 from baft.store.disk import PersistKeys, check_persist_keys, choose_persist_keys
+from baft.store.keys import loading_keys
 from tests.dist.runs import TINY_MODEL
 
 
@@ -68,12 +69,55 @@ def test_distinct_fqns_keep_plain_keys() -> None:
     names.append((1, names[1][1]))
     scheme, reason = choose_persist_keys(names)
     assert (scheme, reason) == (
-        "fqn",
-        "DCP keys are the plain FQNs (unique across pipeline stages)",
+        "torch",
+        "DCP keys are the plain FQNs, optimizer state as torch's flattened optimizer "
+        "state dict under 'optimizer.' (unique across pipeline stages)",
     )
     key = PersistKeys(scheme=scheme, pp=1)
     assert key("model.layers.2.attn.qkv.weight") == "layers.2.attn.qkv.weight"
+    assert key("buffer.layers.2.attn.mask") == "layers.2.attn.mask"
+    assert key("optim.layers.2.attn.qkv.weight.exp_avg") == (
+        "optimizer.state.layers.2.attn.qkv.weight.exp_avg"
+    )
     assert key("extra.pp1.tp0.rng.cpu") == "extra.pp1.tp0.rng.cpu"
+    hypers = [{"lr": 0.5, "betas": (0.9, 0.95), "params": [0, 1]}, {"lr": 0.1}]
+    assert key.param_groups([["a.w", "a.b"], ["c.w"]], hypers) == {
+        "optimizer.param_groups.a.w.lr": 0.5,
+        "optimizer.param_groups.a.w.betas": (0.9, 0.95),
+        "optimizer.param_groups.a.b.lr": 0.5,
+        "optimizer.param_groups.a.b.betas": (0.9, 0.95),
+        "optimizer.param_groups.c.w.lr": 0.1,
+    }
+    # the older schemes carry no param groups, and keep their optimizer names
+    assert PersistKeys(scheme="fqn").param_groups([["a.w"]], hypers[:1]) == {}
+    assert PersistKeys(scheme="fqn")("optim.a.w.exp_avg") == "optim.a.w.exp_avg"
+
+
+def test_torch_keys_are_what_torch_flattens_an_optimizer_into() -> None:
+    """The keys of a "torch" checkpoint are ``"optimizer." +`` the keys of torch's own
+    flattened optimizer state dict, so a user's ``{"optimizer": osd}`` loads them."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    osd = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    state = TrainingState([model], opt, install_step_hook=False)
+    key = PersistKeys(scheme="torch")
+    fqns = [n for n, _ in model.named_parameters()]
+    ours = {key(n) for n, _ in state.tensors() if n.startswith("optim.")}
+    hypers = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    ours |= set(key.param_groups([fqns], hypers))
+    assert ours == {f"optimizer.{k}" for k in osd}
+
+
+def test_a_fqn_checkpoint_restores_into_a_torch_job() -> None:
+    assert loading_keys({}, PersistKeys(pp=1), "ck") == PersistKeys(scheme="fqn", pp=1)
+    assert loading_keys({"dcp_keys": "torch"}, PersistKeys(), "ck") == PersistKeys()
 
 
 def test_every_write_path_keys_by_stage_and_plain_dcp_loads_each_stage(tmp_path: Path) -> None:
@@ -122,6 +166,7 @@ def test_every_write_path_keys_by_stage_and_plain_dcp_loads_each_stage(tmp_path:
 def test_a_restore_refuses_a_checkpoint_of_another_scheme() -> None:
     check_persist_keys({"dcp_keys": "pp"}, PersistKeys(scheme="pp", pp=1), "ck/v00000004")
     check_persist_keys({}, PersistKeys(), "ck/v00000004")  # written before the scheme
+    check_persist_keys({"dcp_keys": "fqn"}, PersistKeys(), "ck/v00000004")
     with pytest.raises(ValueError) as e:
         check_persist_keys({}, PersistKeys(scheme="pp", pp=1), "ck/v00000004")
     assert str(e.value) == (
