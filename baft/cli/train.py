@@ -1,4 +1,4 @@
-"""``baft train``: the reference GPT on dp*pp*tp local processes via torchrun.
+"""``baft train``: the reference GPT on dp*dp_shard*pp*tp local processes via torchrun.
 
 Flags map one to one onto ``TrainConfig`` (``config_from_args``); the fault-tolerance
 flags onto its ``CheckpointConfig``. Defaults come from the config types.
@@ -20,7 +20,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "train",
         help="train the reference GPT with torchrun on CPU/gloo (or CUDA/NCCL)",
-        description="Train the reference GPT on dp*pp*tp local processes via torchrun.",
+        description="Train the reference GPT on dp*dp_shard*pp*tp local processes via "
+        "torchrun (--dp-shard: FSDP2 stages, as torchtitan builds them).",
     )
     _add_train_flags(p)
     p.set_defaults(func=run_train)
@@ -38,6 +39,15 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tp", type=int, default=d_par.num_tp, help="tensor-parallel degree (default %(default)s)"
+    )
+    g.add_argument(
+        "--dp-shard",
+        type=int,
+        default=d_par.num_dp_shard,
+        help="FSDP2 degree inside each replica: fully_shard every GPT block and stage over "
+        "torchtitan's dp_shard mesh dim (each shard rank reads its own slice of the batch; "
+        "FSDP2 reduce-scatters the gradients, baft averages only over --dp replicas); "
+        "world size = dp*dp_shard*pp*tp (default %(default)s)",
     )
     g.add_argument(
         "--schedule",
@@ -175,6 +185,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
             num_dp=a.dp,
             num_pp=a.pp,
             num_tp=a.tp,
+            num_dp_shard=a.dp_shard,
             schedule=a.schedule,
             num_microbatches=a.microbatches,
             num_virtual=a.virtual_stages,
@@ -211,9 +222,11 @@ def run_train(a: argparse.Namespace) -> int:
     from baft.train.launch import launch
 
     cfg = config_from_args(a)
+    par = cfg.parallel
+    shard = f" dp_shard={par.num_dp_shard}" if par.num_dp_shard > 1 else ""
     print(
-        f"[baft] training dp={cfg.parallel.num_dp} pp={cfg.parallel.num_pp} tp={cfg.parallel.num_tp} "
-        f"schedule={cfg.parallel.schedule} on {cfg.parallel.world_size} ranks -> {cfg.out_dir}",
+        f"[baft] training dp={par.num_dp}{shard} pp={par.num_pp} tp={par.num_tp} "
+        f"schedule={par.schedule} on {par.world_size} ranks -> {cfg.out_dir}",
         flush=True,
     )
     rc = launch(cfg, resume=a.resume)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Protocol
 
@@ -50,17 +50,33 @@ class MeshDims(Protocol):
 
 
 def init_mesh(parallel: MeshDims, timeout_s: float = 120.0) -> Mesh:
-    """Initialise the default process group (from torchrun's env) and the (pp, dp, tp) mesh."""
+    """Initialise the default process group (from torchrun's env) and the job's mesh.
+
+    Without FSDP2 (``num_dp_shard``, read when ``parallel`` has it, is 1): baft's own
+    ``("pp", "dp", "tp")`` mesh. With it: torchtitan's ``("pp", "dp_replicate",
+    "dp_shard", "tp")`` mesh, viewed through :func:`mesh_from_user` as a user's mesh is
+    (``dp_replicate`` = replicas, ``dp_shard`` x ``tp`` = baft's shard axis); the
+    returned :attr:`Mesh.mesh` is then torchtitan's mesh (what the app shards over and
+    hands to ``baft.protect``), the groups and coordinates baft's view of it."""
     device = pick_device()
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
+    dp_shard = int(getattr(parallel, "num_dp_shard", 1))
     if world != parallel.world_size:
         raise ValueError(
-            f"world size {world} != dp*pp*tp = {parallel.world_size}; launch with "
+            f"world size {world} != dp*dp_shard*pp*tp = {parallel.world_size}; launch with "
             f"--nproc-per-node {parallel.world_size}"
         )
+    if dp_shard > 1:
+        titan = init_device_mesh(
+            device.type,
+            (parallel.num_pp, parallel.num_dp, dp_shard, parallel.num_tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
+        view, _ = mesh_from_user(titan, parallel.ranks_per_node, device)
+        return replace(view, mesh=titan)
     topo = Topology(
         num_pp=parallel.num_pp,
         num_dp=parallel.num_dp,

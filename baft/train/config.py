@@ -18,14 +18,18 @@ __all__ = ["MULTI_STAGE_SCHEDULES", "SCHEDULES", "ModelConfig", "ParallelConfig"
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Parallel layout: sizes of the (pp, dp, tp) mesh and the pipeline schedule."""
+    """Parallel layout: sizes of the (pp, dp, dp_shard, tp) mesh and the pipeline schedule."""
 
     num_dp: int = 2
-    """Data-parallel replicas."""
+    """Data-parallel replicas (every replica holds the whole state of its stage)."""
     num_pp: int = 2
     """Pipeline ranks."""
     num_tp: int = 1
     """Tensor-parallel degree."""
+    num_dp_shard: int = 1
+    """FSDP2 degree: ranks of a replica that shard parameters, gradients and optimizer
+    state (``fully_shard`` over torchtitan's ``dp_shard`` mesh dim; each reads its own
+    slice of the batch, as a replica does)."""
     schedule: str = "1f1b"
     """One of SCHEDULES."""
     num_microbatches: int = 4
@@ -37,7 +41,18 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.num_dp * self.num_pp * self.num_tp
+        return self.num_dp * self.num_dp_shard * self.num_pp * self.num_tp
+
+    @property
+    def num_data_ranks(self) -> int:
+        """Ranks that read different slices of a batch: replicas x FSDP2 shards."""
+        return self.num_dp * self.num_dp_shard
+
+    @property
+    def num_shard(self) -> int:
+        """Ranks of a (pp, dp) pair that hold different pieces (FSDP2 x TP): baft's
+        shard axis (``baft.pipeline.mesh.mesh_from_user`` folds ``dp_shard`` and ``tp``)."""
+        return self.num_dp_shard * self.num_tp
 
     @property
     def stages_per_rank(self) -> int:
@@ -48,7 +63,12 @@ class ParallelConfig:
         return self.num_pp * self.stages_per_rank
 
     def validate(self, model: ModelConfig, global_batch: int) -> None:
-        for name, flag in (("num_dp", "--dp"), ("num_pp", "--pp"), ("num_tp", "--tp")):
+        for name, flag in (
+            ("num_dp", "--dp"),
+            ("num_pp", "--pp"),
+            ("num_tp", "--tp"),
+            ("num_dp_shard", "--dp-shard"),
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be >= 1")
         if self.schedule not in SCHEDULES:
@@ -74,11 +94,15 @@ class ParallelConfig:
                 f"{self.schedule} needs --microbatches divisible by --pp ({self.num_pp}); "
                 f"try --microbatches {self.num_pp * max(1, self.num_microbatches // self.num_pp)}"
             )
-        per_replica, rem = divmod(global_batch, self.num_dp)
-        if rem or per_replica % self.num_microbatches:
+        per_rank, rem = divmod(global_batch, self.num_data_ranks)
+        if rem or per_rank % self.num_microbatches:
+            ranks = f"dp={self.num_dp} replicas" + (
+                f" x dp_shard={self.num_dp_shard} shards" if self.num_dp_shard > 1 else ""
+            )
             raise ValueError(
-                f"--batch {global_batch} must split evenly into dp={self.num_dp} replicas x "
-                f"{self.num_microbatches} microbatches: use a multiple of {self.num_dp * self.num_microbatches}"
+                f"--batch {global_batch} must split evenly into {ranks} x "
+                f"{self.num_microbatches} microbatches: use a multiple of "
+                f"{self.num_data_ranks * self.num_microbatches}"
             )
         model.validate(self.num_tp)
 
@@ -128,6 +152,12 @@ class TrainConfig:
             raise ValueError(f"--compute must be real or emulated, got {self.compute!r}")
         if self.compute == "emulated" and not self.emulated_times:
             raise ValueError("compute=emulated needs emulated_times (per-stage fwd/bwd seconds)")
+        if self.compute == "emulated" and self.parallel.num_dp_shard > 1:
+            raise ValueError(
+                "compute=emulated does not run FSDP2 stages (its timed waits replace the "
+                "forward and backward that FSDP2's hooks gather and reduce in): use "
+                "compute=real with --dp-shard, or --dp-shard 1"
+            )
         self.parallel.validate(self.model, self.global_batch)
         if self.checkpoint is not None:
             from baft.topology import Topology
@@ -136,7 +166,7 @@ class TrainConfig:
                 Topology(
                     num_pp=self.parallel.num_pp,
                     num_dp=self.parallel.num_dp,
-                    num_tp=self.parallel.num_tp,
+                    num_tp=self.parallel.num_shard,  # dp_shard x tp: baft's shard axis
                     ranks_per_node=self.parallel.ranks_per_node,
                 )
             )

@@ -1,4 +1,5 @@
-"""The reference app's model on one rank: GPT stages (with TP), schedule, AdamW and data.
+"""The reference app's model on one rank: GPT stages (with TP and FSDP2), schedule, AdamW
+and data.
 
 :class:`Trainer` builds what a user's script would build (stage modules, pipeline stages,
 the schedule, the optimizer) from a :class:`~baft.train.config.TrainConfig`, and the bundled
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -92,8 +94,8 @@ class Trainer:
             stages=self.stages,
             schedule=self.schedule,
             optimizer=self.optimizer,
-            num_dp=self.cfg.parallel.num_dp,
-            num_tp=self.cfg.parallel.num_tp,
+            num_dp=self.mesh.topology.num_dp,  # replicas: FSDP2 reduces over dp_shard itself
+            num_tp=self.mesh.topology.num_tp,
             instrument=self.cfg.instrument,
         )
         self._watchdog = start_watchdog(self.mesh, runner, timeout_s, self.cfg.out_dir)
@@ -122,11 +124,22 @@ class Trainer:
     def _build_module(self, stage: int) -> nn.Module:
         par = self.cfg.parallel
         module: nn.Module = build_stage_module(self.cfg.model, stage, par.num_stages, self.cfg.seed)
+        names = self.mesh.mesh.mesh_dim_names or ()
         if par.num_tp > 1:
             plan: dict[str, Any] = {n: ColwiseParallel() for n in TP_PLAN_COLWISE}
             plan.update({n: RowwiseParallel() for n in TP_PLAN_ROWWISE})
+            tp_mesh = self.mesh.mesh["tp"] if "dp_shard" in names else self.mesh.tp_mesh
             for block in module.layers.values():  # type: ignore[union-attr,operator]
-                parallelize_module(block, self.mesh.tp_mesh, plan)
+                parallelize_module(block, tp_mesh, plan)
+        if par.num_dp_shard > 1:
+            # as torchtitan's parallelize: FSDP2 after TP, each block then the stage root,
+            # over the dp_shard dim; no reshard after forward under pipelining (the
+            # microbatches' backwards would gather every block again)
+            dp_shard = self.mesh.mesh["dp_shard"]
+            module.to(self.mesh.device)
+            for block in module.layers.values():  # type: ignore[union-attr,operator]
+                fully_shard(block, mesh=dp_shard, reshard_after_forward=False)
+            fully_shard(module, mesh=dp_shard, reshard_after_forward=False)
         if self.cfg.compute == "emulated":
             from baft.model.emulated import wrap_emulated
 
@@ -134,10 +147,18 @@ class Trainer:
             module = wrap_emulated(module, times["fwd"][stage], times["bwd"][stage])
         return module.to(self.mesh.device)
 
+    @property
+    def data_rank(self) -> int:
+        """Which slice of a global batch this rank reads: one per replica and FSDP2 shard
+        (``dp * num_dp_shard + dp_shard``); TP ranks of a shard read the same slice. baft's
+        shard coordinate is ``dp_shard * num_tp + tp`` (:func:`baft.pipeline.mesh.mesh_from_user`)."""
+        c, par = self.mesh.coords, self.cfg.parallel
+        return c.dp * par.num_dp_shard + c.tp // par.num_tp
+
     def batch(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inputs and targets of ``iteration`` (a pure function of it)."""
         self.data.position = iteration
-        x, y = self.data.next_batch(self.mesh.coords.dp, self.cfg.parallel.num_dp)
+        x, y = self.data.next_batch(self.data_rank, self.cfg.parallel.num_data_ranks)
         return x.to(self.mesh.device), y.to(self.mesh.device)
 
     def train_step(self, iteration: int) -> StepResult:

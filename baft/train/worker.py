@@ -29,13 +29,15 @@ from baft.train.trainer import Trainer
 
 
 def _gather_metrics(trainer: Trainer, res: StepResult) -> dict[str, Any]:
-    """One small all-reduce: mean loss over DP replicas, blocked and iteration seconds per rank."""
+    """One small all-reduce: mean loss over the ranks reading different data (DP replicas
+    and FSDP2 shards), blocked and iteration seconds per rank."""
     world = dist.get_world_size()
     rank = trainer.mesh.rank
     c = trainer.mesh.coords
+    par = trainer.cfg.parallel
     vec = torch.zeros(1 + 2 * world, dtype=torch.float64)
-    if res.loss is not None and c.tp == 0:
-        vec[0] = res.loss / trainer.cfg.parallel.num_dp
+    if res.loss is not None and c.tp % par.num_tp == 0:  # one TP rank of each data slice
+        vec[0] = res.loss / par.num_data_ranks
     vec[1 + rank] = res.timeline.blocked_s()
     vec[1 + world + rank] = res.timeline.iter_s
     dist.all_reduce(vec)

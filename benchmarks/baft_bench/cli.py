@@ -61,6 +61,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--pp", type=int, default=d.num_pp, help="pipeline ranks (default %(default)s)")
     add("--dp", type=int, default=d.num_dp, help="data-parallel replicas (default %(default)s)")
+    add("--dp-shard", type=int, default=d.num_dp_shard, help="FSDP2 degree inside each replica: the GPT stages fully_shard-ed over torchtitan's dp_shard dim, as baft train --dp-shard (default %(default)s)")  # fmt: skip
     add("--schedule", default=d.schedule, help="pipeline schedule (default %(default)s)")
     add("--microbatches", type=int, default=d.num_microbatches, help="(default %(default)s)")
     add("--layers", type=int, default=d.num_layers, help="transformer blocks (default %(default)s)")
@@ -107,6 +108,7 @@ def config_from_args(a: argparse.Namespace) -> OverheadConfig:
     cfg = OverheadConfig(
         num_pp=a.pp,
         num_dp=a.dp,
+        num_dp_shard=getattr(a, "dp_shard", 1),
         schedule=a.schedule,
         num_microbatches=a.microbatches,
         num_layers=a.layers,
@@ -153,7 +155,9 @@ def _modes(a: argparse.Namespace) -> list[str]:
 def command_line(a: argparse.Namespace) -> str:
     """The ``baft bench overhead`` command with every flag spelled out (reproducible)."""
     flags = [
-        ("--pp", a.pp), ("--dp", a.dp), ("--schedule", a.schedule),
+        ("--pp", a.pp), ("--dp", a.dp),
+        ("--dp-shard", a.dp_shard if getattr(a, "dp_shard", 1) != 1 else None),
+        ("--schedule", a.schedule),
         ("--microbatches", a.microbatches), ("--layers", a.layers), ("--d-model", a.d_model),
         ("--heads", a.heads), ("--seq-len", a.seq_len), ("--batch", a.batch),
         ("--blocks", a.blocks), ("--launches", a.launches if a.launches != 1 else None),

@@ -93,7 +93,7 @@ def _launch(cfg: OverheadConfig, timeout_s: float) -> dict[str, Any]:
     _clean(cfg)
     cfg_path = out / "bench-config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    world = cfg.num_pp * cfg.num_dp
+    world = cfg.world_size
     cmd = [
         sys.executable,
         "-m",
@@ -124,6 +124,12 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def _shard_words(cfg: dict[str, Any]) -> str:
+    """`` dp_shard=N (FSDP2)`` of a layout with FSDP2 stages, else nothing."""
+    n = int(cfg.get("num_dp_shard", 1))
+    return f" dp_shard={n} (FSDP2)" if n > 1 else ""
+
+
 def _allocator_lines(mach: dict[str, Any]) -> list[str]:
     """The page line naming the malloc settings every mode ran with (when recorded)."""
     malloc = mach.get("malloc") or {}
@@ -151,7 +157,7 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         f"{mach.get('load_after', '?')} after (other jobs share the machine)",
         f"- command: `{command}`",
         *_allocator_lines(mach),
-        f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']} {cfg['schedule']}, "
+        f"- layout: pp={cfg['num_pp']} dp={cfg['num_dp']}{_shard_words(cfg)} {cfg['schedule']}, "
         f"{cfg['num_microbatches']} microbatches, {cfg['num_layers']} layers, "
         f"d_model={cfg['d_model']}, seq_len={cfg['seq_len']}, batch={cfg['global_batch']}",
         *_design_lines(result),
@@ -450,7 +456,7 @@ def measure_overhead(
     for i in range(launches):
         print(
             f"[bench] overhead: launch {i + 1}/{launches}, modes {', '.join(cfg.modes)}, "
-            f"{cfg.total_iterations()} iterations on {cfg.num_pp * cfg.num_dp} ranks "
+            f"{cfg.total_iterations()} iterations on {cfg.world_size} ranks "
             f"({cfg.compute} compute) -> {cfg.out_dir}",
             file=sys.stderr,
             flush=True,

@@ -68,6 +68,9 @@ class OverheadConfig:
     """Pipeline ranks."""
     num_dp: int = 1
     """Data-parallel replicas."""
+    num_dp_shard: int = 1
+    """FSDP2 degree inside each replica (``baft train --dp-shard``: every GPT block and
+    stage ``fully_shard``-ed over torchtitan's ``dp_shard`` dim); real compute only."""
     schedule: str = "1f1b"
     """Pipeline schedule (one of baft.config.SCHEDULES)."""
     num_microbatches: int = 4
@@ -122,6 +125,11 @@ class OverheadConfig:
     restore_check: bool = True
     """After the timed blocks, restore each mode's newest checkpoint and compare it bit
     for bit with the live state of that version (:mod:`baft_bench.restorecheck`)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one launch: pp x dp x dp_shard."""
+        return self.num_pp * self.num_dp * self.num_dp_shard
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_iters"):
@@ -252,6 +260,7 @@ class OverheadConfig:
             ),
             parallel=ParallelConfig(
                 num_dp=self.num_dp,
+                num_dp_shard=self.num_dp_shard,
                 num_pp=self.num_pp,
                 schedule=self.schedule,
                 num_microbatches=self.num_microbatches,

@@ -5,7 +5,9 @@
   hook that, every N-th step, waits for the previous peer exchange, copies model and optimizer
   state synchronously into preallocated host buffers and replicates them in the
   background to the paired rank (``replication_jump`` = ranks per simulated node, so the
-  pair spans two simulated nodes) over its own gloo groups. No disk flush (the library
+  pair spans two simulated nodes) over its own gloo groups. With FSDP2 stages
+  (``--dp-shard``: DTensor parameters) the same call takes the library's FSDP2 runtime,
+  which copies each rank's local shards (``to_local()`` of parameters and optimizer state). No disk flush (the library
   flushes on SIGTERM/exit). The bench switches modes without tearing them down, so the
   optimizer it hands the library forwards everything to the trainer's optimizer and runs
   the library's step hook only while the mode is on. Its cadence is the bench's
@@ -305,6 +307,12 @@ class LmResiliencyHooks(_BaselineHooks):
         self.saved_version = self._versions.get(int(step))
         if self.saved_version is None:
             return None
+        if "model" not in state:
+            # FSDP2 stages (DTensor parameters): the library's FSDP2 runtime saves the
+            # local shards of its tensor list (parameters, then each one's optimizer
+            # state by sorted key), keyed by position; no public accessor for that list
+            tensors = cast(Any, self.handle)._collect()
+            return state, {str(i): t for i, t in enumerate(tensors)}
         live = {"model": self.module.state_dict(), "optimizer": self.trainer.optimizer.state_dict()}
         return {"model": state["model"], "optimizer": state["optimizer"]}, live
 

@@ -9,7 +9,7 @@ ratio against ``none`` (with its confidence interval when the JSON has ``ci_low`
 the state per rank. ``--dry-run`` prints the commands and runs nothing.
 
 The default set (:data:`SWEEP`): state size (d_model 256, 512, 768 at 8 layers, pp=2
-1F1B), pp=4, dp=2, interleaved-1F1B and ZBV (d_model 512). The default blocks are few
+1F1B), pp=4, dp=2, interleaved-1F1B, ZBV and FSDP2 stages (pp=2 x dp_shard=2; d_model 512). The default blocks are few
 (``--blocks 4 --block-iters 2 --switch-iters 1 --warmup 1``) so the whole set fits about
 30 minutes on a 2-core machine; a reportable run takes ``--blocks 8 --block-iters 4``
 or more (about four times as long).
@@ -59,6 +59,11 @@ SWEEP = (
         "interleaved", "interleaved 1F1B (smaller bubbles)", {"--schedule": "interleaved-1f1b"}
     ),  # fmt: skip
     SweepConfig("zbv", "zero-bubble V schedule", {"--schedule": "zbv"}),
+    SweepConfig(
+        "fsdp2",
+        "FSDP2 stages: pp=2 x dp_shard=2 (each rank holds half its stage's state)",
+        {"--dp-shard": "2", "--batch": "8"},
+    ),  # fmt: skip
 )
 """The default set of configurations."""
 RUN_FLAGS = ("--blocks", "--block-iters", "--switch-iters", "--warmup", "--compute", "--modes", "--checkpoint", "--engine", "--emulated-ms", "--seed")  # fmt: skip
@@ -222,7 +227,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``sweep`` on ``baft bench``'s subparsers."""
     p: argparse.ArgumentParser = sub.add_parser(
         "sweep",
-        help="the overhead bench over state sizes, pp=4, dp=2, interleaved and zbv: one page",
+        help="the overhead bench over state sizes, pp=4, dp=2, interleaved, zbv and FSDP2 (pp=2 x dp_shard=2): one page",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

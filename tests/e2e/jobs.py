@@ -59,11 +59,11 @@ def gpt_config(
     cfg = TrainConfig(
         model=ModelConfig(num_layers=8 if interleaved and pp > 2 else 4, d_model=64, num_heads=4, seq_len=32),
         parallel=ParallelConfig(
-            num_dp=dp, num_pp=pp, num_tp=tp, schedule=case.schedule,
+            num_dp=dp, num_pp=pp, num_tp=tp, num_dp_shard=case.dp_shard, schedule=case.schedule,
             num_microbatches=microbatches(case), ranks_per_node=case.world // 2,
         ),
         num_iterations=iterations,
-        global_batch=dp * microbatches(case) * 2,
+        global_batch=dp * case.dp_shard * microbatches(case) * 2,
         out_dir=str(out),
     )  # fmt: skip
     if store_root is not None:

@@ -20,7 +20,10 @@ LAYOUTS = {  # name -> (dp, pp, tp)
     "dp2pp2": (2, 2, 1),
     "pp2tp2": (1, 2, 2),
     "dp2pp2tp2": (2, 2, 2),
+    "pp2dps2": (1, 2, 1),  # x dp_shard=2 (DP_SHARD): `baft train --dp-shard 2`, FSDP2 stages
 }
+DP_SHARD = {"pp2dps2": 2}
+"""FSDP2 degree of a layout (1 when absent): ``baft train --dp-shard``, gpt only."""
 DIMENSIONS: dict[str, tuple[str, ...]] = {
     # gpt: `baft train`'s reference GPT (stage FQNs unique); user-*: tests/e2e/user_script.py,
     # a fresh nn.Sequential per stage (FQNs repeat across stages) or wrapped as stage{s}.
@@ -61,9 +64,13 @@ class Case:
         return LAYOUTS[self.layout]
 
     @property
+    def dp_shard(self) -> int:
+        return DP_SHARD.get(self.layout, 1)
+
+    @property
     def world(self) -> int:
         dp, pp, tp = self.dims
-        return dp * pp * tp
+        return dp * self.dp_shard * pp * tp
 
     @property
     def seed(self) -> int:
@@ -73,7 +80,10 @@ class Case:
 
 def valid(case: Case) -> bool:
     """The user script is pipeline x data parallel, one stage per rank; the FSDP2 example
-    shards over dp (> 1), with or without TP, one stage per rank."""
+    shards over dp (> 1), with or without TP, one stage per rank; a dp_shard layout is
+    the reference app's (``baft train --dp-shard``: the example's own dp is its shard)."""
+    if case.dp_shard > 1 and case.app != "gpt":
+        return False
     if case.app == "fsdp2":
         return case.dims[0] > 1 and case.schedule != "interleaved-1f1b"
     if case.app != "gpt":
@@ -130,5 +140,8 @@ SMOKE = (
     Case("user-unique", "pp2", "1f1b", "3", "rs", "off", "nohostid", "kill"),
     # FSDP2 x PP (issue 30): local shards restored with differential versions by default
     Case("fsdp2", "dp2pp2", "1f1b", "auto", "xor", "off", "one", "kill"),
+    # `baft train --dp-shard 2 --pp 2` (issue 30): the reference app's FSDP2 stages, local
+    # shards restored from memory after kill -9
+    Case("gpt", "pp2dps2", "1f1b", "auto", "xor", "off", "one", "kill"),
 )
 """The default suite's cells: each fault path of a different kind."""

@@ -2,7 +2,7 @@
 every fault at least once, each case ending bit-identical to the unprotected run.
 
 Cases come from :mod:`tests.e2e.matrix` (deterministic greedy all-pairs over app x
-layout x schedule x full_every x redundancy x persist x hosts x fault, 30 cases); each
+layout x schedule x full_every x redundancy x persist x hosts x fault, 34 cases); each
 launches the job with torchrun as a user would, delivers the fault from outside at a
 seeded random moment (kill -9 of a worker, node loss with its store wiped, power loss
 and relaunch, SIGTERM flush and relaunch, kill -STOP of a worker) and compares losses
@@ -52,7 +52,7 @@ def test_pairwise_covers_every_pair_of_every_valid_case() -> None:
     and every pair of values that some valid case holds is in some chosen case."""
     cases = pairwise()
     assert cases == pairwise.__wrapped__()  # the same list when computed again
-    assert len(cases) == 31 and len(set(cases)) == 31
+    assert len(cases) == 34 and len(set(cases)) == 34
     assert all(valid(c) for c in cases) and all(from_id(c.id) == c for c in cases)
     names = list(DIMENSIONS)
 

@@ -26,7 +26,7 @@ def test_dry_run_prints_every_launch(capsys: pytest.CaptureFixture[str]) -> None
     a = _parse(["bench", "sweep", "--dry-run", "--out", "R"])
     assert a.func(a) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 7
+    assert len(lines) == 8
     words = [shlex.split(line) for line in lines]
     flags = [dict(zip(w[3::2], w[4::2], strict=False)) for w in words]
     assert all(w[:3] == ["baft", "bench", "overhead"] and w[-1] == "--json" for w in words)
@@ -34,7 +34,8 @@ def test_dry_run_prints_every_launch(capsys: pytest.CaptureFixture[str]) -> None
     assert all(f["--layers"] == "8" for f in flags)
     assert flags[3]["--pp"] == "4"
     assert flags[4]["--dp"] == "2" and flags[4]["--batch"] == "8"
-    assert [f["--schedule"] for f in flags[5:]] == ["interleaved-1f1b", "zbv"]
+    assert [f["--schedule"] for f in flags[5:7]] == ["interleaved-1f1b", "zbv"]
+    assert flags[7]["--dp-shard"] == "2" and flags[7]["--pp"] == "2"  # FSDP2 stages
     assert [f["--results-dir"] for f in flags] == [f"R/{c.name}" for c in sweep.SWEEP]
     assert all(f["--blocks"] == "4" and f["--block-iters"] == "2" for f in flags)
     assert all("--modes" not in f for f in flags)  # every installed mode, one launch each
