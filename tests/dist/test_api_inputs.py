@@ -117,8 +117,9 @@ def test_protect_rejects_bad_input_on_every_rank(gloo, tmp_path: Path) -> None:
     for rank, out in enumerate(got):
         assert out["mesh"] == (
             "ValueError",
-            "device_mesh must have dims named pp, dp, tp (size 1 where unused), "
-            "got ('pp', 'dp', 'x')",
+            "device_mesh dim(s) ['x'] unknown: baft understands pp, dp_replicate, dp, "
+            "dp_shard, fsdp, cp, tp (torchtitan's names; 'dp' is another name for "
+            "dp_replicate: replicas)",
         ), rank
         assert out["optimizer"] == (
             "ValueError",
