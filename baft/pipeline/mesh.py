@@ -130,8 +130,9 @@ def _canonical_ranks(device_mesh: DeviceMesh) -> tuple[torch.Tensor, dict[str, i
             f"device_mesh dim(s) {unknown} unknown: baft understands {', '.join(MESH_DIMS)} "
             "(torchtitan's names; 'dp' is another name for dp_replicate: replicas)"
         )
-    if "dp" in names and "dp_replicate" in names:
-        raise ValueError("device_mesh has both 'dp' and 'dp_replicate': they name the same dim")
+    for a, b in (("dp", "dp_replicate"), ("dp_shard", "fsdp")):
+        if a in names and b in names:
+            raise ValueError(f"device_mesh has both {a!r} and {b!r}: they name the same dim")
     sizes = dict(zip(names, shape, strict=True))
     if sizes.get("cp", 1) > 1:
         raise ValueError(

@@ -55,6 +55,8 @@ def _meshes(rank: int, world: int) -> dict[str, Any]:
         "cp": _view((2, 2), ("pp", "cp")),
         "unknown": _view((2, 2), ("pp", "ep")),
         "both_dp": _view((2, 2), ("dp", "dp_replicate")),
+        "both_shard": _view((2, 2), ("dp_shard", "fsdp")),
+        "fsdp_name": _view((2, 2), ("pp", "fsdp")),
     }
 
 
@@ -79,6 +81,11 @@ def test_mesh_dims_map_onto_replicas_and_shards(gloo) -> None:
             "ValueError",
             "device_mesh has both 'dp' and 'dp_replicate': they name the same dim",
         )
+        assert out["both_shard"] == (
+            "ValueError",
+            "device_mesh has both 'dp_shard' and 'fsdp': they name the same dim",
+        )
+        assert out["fsdp_name"] == ((2, 1, 2), (rank // 2, 0, rank % 2), True)
 
 
 def _protect(module: nn.Module, mesh: Any, root: str, name: str, given: bool = True) -> Any:
