@@ -275,10 +275,15 @@ class Protected:
         self.runner.close()
         self.watchdog.stop()
         if self.own_mesh is not None:  # made by protect(): its groups are ours to end
-            for group in self.own_mesh.get_all_groups():
-                if group is not dist.GroupMember.WORLD:
-                    destroy_group(group)
+            _end_groups(self.own_mesh)
             self.own_mesh = None
+
+
+def _end_groups(mesh: DeviceMesh) -> None:
+    """Destroy the process groups of a DeviceMesh baft made (never the default group)."""
+    for group in mesh.get_all_groups():
+        if group is not dist.GroupMember.WORLD:
+            destroy_group(group)
 
 
 def protect(
@@ -325,6 +330,32 @@ def protect(
     check_optimizer(optimizer)
     modules = [s.submod for s in stages]
     mesh, own_mesh = _mesh_from(device_mesh, ranks_per_node, modules)
+    try:
+        protected = _protect_on(
+            mesh, schedule, stages, modules, optimizer, run_dir, checkpoint, state,
+            average_gradients, extra_capacity_bytes,
+        )  # fmt: skip
+    except BaseException:
+        if own_mesh is not None:  # a refusal: the groups baft made for it end here
+            _end_groups(own_mesh)
+        raise
+    protected.own_mesh = own_mesh
+    return protected
+
+
+def _protect_on(
+    mesh: Mesh,
+    schedule: Any,
+    stages: list[PipelineStage],
+    modules: list[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    run_dir: str,
+    checkpoint: CheckpointConfig | None,
+    state: Mapping[str, Stateful] | None,
+    average_gradients: bool | None,
+    extra_capacity_bytes: int | Mapping[str, int],
+) -> Protected:
+    """:func:`protect` on baft's view of the job's mesh."""
     ck = checkpoint if checkpoint is not None else CheckpointConfig()
     ck.store.job_id = ck.store.job_id or default_job_id(run_dir)
     ck.persist.dir = ck.persist.dir or str(Path(run_dir) / "checkpoints")
@@ -356,6 +387,4 @@ def protect(
         runner.close()  # the schedule and optimizer are the user's again
         raise
     watchdog = start_watchdog(mesh, runner, ck.timeouts.collective_s, run_dir)
-    protected = Protected(runner, mesh, run_dir, ck, watchdog)
-    protected.own_mesh = own_mesh
-    return protected
+    return Protected(runner, mesh, run_dir, ck, watchdog)

@@ -121,6 +121,7 @@ def _model() -> nn.Module:
 
 
 def _stages(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
@@ -158,7 +159,10 @@ def _stages(rank: int, world: int, root: str) -> dict[str, Any]:
 
     m = _model()
     fully_shard(m, mesh=mesh["dp_shard"], offload_policy=CPUOffloadPolicy(pin_memory=False))
+    groups = len(dist.distributed_c10d._world.pg_map)
     out["offload"] = _protect(m, mesh, root, "offload")[:2]
+    # the refusal ended the groups of the mesh baft made for the user's (pp, dp_shard) one
+    out["groups_left"] = len(dist.distributed_c10d._world.pg_map) - groups
 
     m = _model()
     fully_shard(m, mesh=mesh["dp_shard"], shard_placement_fn=lambda p: Shard(p.dim() - 1))
@@ -180,6 +184,7 @@ def test_fsdp2_stages_are_protected_and_what_baft_cannot_restore_is_refused(
         assert out["found"] == (None, True, (1, 1, 4))
         assert out["hsdp"] == (None, True, (1, 2, 2), "FSDP2")
         err, hooked = out["offload"]
+        assert out["groups_left"] == 0
         assert not hooked and err[0] == "ValueError" and "CPUOffloadPolicy" in err[1]
         err, hooked = out["dim1"]
         assert not hooked and err[0] == "ValueError"
