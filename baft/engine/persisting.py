@@ -189,7 +189,8 @@ class Persisting:
         """Parameter FQNs of every optimizer param group (torch's ``param_groups``)."""
         c = topology.coords(rank)
         self._shard = c.tp
-        meta = [n for n in flat.names if n.startswith(names.extra_prefix(c.pp, c.tp) + "meta.")]
+        meta_of_rank = names.with_coords(names.EXTRA_META, names.extra_prefix(c.pp, c.tp))
+        meta = [n for n in flat.names if n.startswith(meta_of_rank)]
         self._meta_key = keys(meta[0]) if meta else None
 
     def _writes(self, state: dict[str, Any]) -> dict[str, Any]:
