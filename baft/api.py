@@ -36,12 +36,15 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
+from baft.liveness import channel
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.layout import (
     check_fsdp_supported,
@@ -65,6 +69,7 @@ from baft.plan.names import is_extra
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
+T = TypeVar("T")
 
 
 def _mesh_from(
@@ -133,7 +138,9 @@ class Protected:
         self.watchdog = watchdog or NoWatchdog()
         """Heartbeat and hang detection (see :mod:`baft.liveness.watchdog`)."""
         self.engine: Any = None
-        self._t_launch = T_IMPORT  # about the process start: the restart phase ends here
+        ch = channel.current()
+        # about the process start (or its re-entry in-process): the restart phase ends here
+        self._t_launch = ch.entered_at if ch is not None else T_IMPORT
         self._t_ready = time.time()
         """Process group up and model built (the rendezvous phase ends here)."""
         self._report: Any = None
@@ -145,6 +152,7 @@ class Protected:
         runner.section = self.watchdog.section
         runner.on_step_end.append(self._after_step)
         runner.before_restore = self._not_restored  # the loop raises until restore()
+        _LIVE.add(self)
 
     @property
     def state(self) -> Any:
@@ -252,6 +260,9 @@ class Protected:
 
         if self.engine is not None:  # a later recovery counts the iterations it lost
             write_progress(self.run_dir, self.mesh.rank, result.iteration)
+        ch = channel.current()
+        if ch is not None:
+            ch.progress()
         if self._report is not None:
             self._report.first_iteration_done(self.mesh.rank == 0)
             self._report = None
@@ -277,6 +288,76 @@ class Protected:
         if self.own_mesh is not None:  # made by protect(): its groups are ours to end
             _end_groups(self.own_mesh)
             self.own_mesh = None
+
+    def abandon(self) -> None:
+        """The job's process groups broke and an in-process recovery is under way: stop
+        this generation's engine and watchdog without a collective (the stores stay for
+        the restore) and give the schedule and optimizer back."""
+        if self.engine is not None:
+            self.engine.abandon()
+            self.engine = None
+        self.watchdog.abandon()
+        self.runner.close()
+        self.own_mesh = None  # its groups go with the default group
+        _LIVE.discard(self)
+
+
+_LIVE: weakref.WeakSet[Protected] = weakref.WeakSet()
+"""Every open :class:`Protected` of this process (what a recovery abandons)."""
+
+ABORT_WAIT_S = 2.0
+"""After the training function raised: how long to wait for a recovery announced by the
+supervisors (a peer's failure is what broke this rank's collective) before reporting the
+error as this rank's own failure."""
+
+
+def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run the training function ``main(*args, **kwargs)`` and return its result.
+
+    Under ``torchrun ... -m baft.inprocess script.py`` (see :mod:`baft.inprocess`), when
+    any rank fails, every surviving process re-enters ``main`` in the same process, in the
+    job's next generation of process groups (``MASTER_PORT`` then names its store), and
+    the failed process is replaced; ``ft.restore()`` inside ``main`` brings the newest
+    committed version back from memory, each survivor from its own store. Everything built
+    inside ``main`` is built again (it holds the old generation's groups); what lives
+    outside it (a dataset, a tokenizer, imports) stays. TCP connections opened inside
+    ``main`` are shut down when a peer fails (that is how a blocked gloo collective is
+    aborted). Without the supervisor this is just ``main(*args, **kwargs)``."""
+    ch = channel.current()
+    if ch is None:
+        return main(*args, **kwargs)
+    while True:
+        try:
+            return main(*args, **kwargs)
+        except Exception as e:  # SystemExit (a SIGTERM flush) and KeyboardInterrupt pass
+            if not ch.wait_for_generation(ABORT_WAIT_S):
+                log.error("baft: the training function raised: %s: %s", type(e).__name__, e)
+                ch.failed(f"{type(e).__name__}: {e}")
+                ch.wait_for_generation(None)  # the supervisor announces one, or ends us
+        _abandon_generation(ch)
+        gen = ch.enter()
+        log.warning(
+            "baft: in-process recovery, generation %d (%s): re-entering the training "
+            "function in process %d", gen.number, gen.cause, os.getpid(),
+        )  # fmt: skip
+
+
+def _abandon_generation(ch: channel.Channel) -> None:
+    """Everything of the aborted generation goes: baft's engines and watchdogs, the
+    sockets opened since, every process group; then the garbage (old model, optimizer,
+    groups) before the function builds them again."""
+    for protected in list(_LIVE):
+        try:
+            protected.abandon()
+        except Exception as e:  # noqa: BLE001 - keep going: the next generation needs the rest
+            log.warning("baft: abandoning the old generation: %s", e)
+    ch.abort_again()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001
+            log.debug("destroy_process_group after an abort: %s", e)
+    gc.collect()
 
 
 def _end_groups(mesh: DeviceMesh) -> None:

@@ -382,6 +382,22 @@ class CheckpointEngine:
         if self.injector is not None:
             self.injector.fire(point, iteration)
 
+    def abandon(self) -> None:
+        """The job's process groups are gone (an in-process recovery): stop the background
+        work and release the store mappings, without any collective and without
+        committing the version in flight (the restore that follows agrees on one). Every
+        step runs even if one fails: the next generation's engine opens the same stores."""
+        for step in (
+            self.writer.shutdown, self.persisting.shutdown, self.slots.release,
+            self.store.close, self.transport.close,
+        ):  # fmt: skip
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - broken groups raise; go on releasing
+                log.debug("engine abandon: %s: %s", getattr(step, "__name__", step), e)
+        if self.termination is not None:
+            self.termination.uninstall()
+
     def close(self, finished: bool | None = None) -> None:
         """Finish pending commit and persist; release the store mappings. ``finished``
         (collective when given): whether this rank ended between iterations; the stores

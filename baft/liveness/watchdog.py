@@ -61,6 +61,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from baft.liveness import channel
 from baft.liveness.absence import (
     PeerBeat,
     absent,
@@ -80,6 +81,12 @@ MAX_WATCH_ALL = 64
 """Up to this world size every rank watches every peer; above, its 4 ring neighbours."""
 
 _log = logging.getLogger("baft")
+
+
+def attempt_id() -> int:
+    """This process's attempt: torchrun's restart count, times 1000, plus the in-process
+    generation (each generation is a new attempt for hang records and recovery reports)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) * 1000 + channel.generation()
 
 
 def beat_period(timeout_s: float) -> float:
@@ -297,7 +304,8 @@ class Watchdog:
             host=host,
             port=int(port),
             store_rank=None if agent_store else 0,
-            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            attempt=attempt_id(),
+            exit_process=channel.current() is None,
         )
 
     # ------------------------------------------------------------------ main thread
@@ -502,6 +510,9 @@ class Watchdog:
             reason,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        ch = channel.current()
+        if ch is not None:  # the suspects' supervisors replace them; every rank re-enters
+            ch.suspect(kill, reason)
         with self._lock:
             seen = dict(self._seen)
         frozen: dict[int, tuple[int, str]] = {}  # rank -> (pid, start) of a stopped process here
@@ -537,8 +548,20 @@ class Watchdog:
                 "baft watchdog (rank %d): killed frozen rank(s) %s on this host", self.rank, killed
             )
 
+    def abandon(self) -> None:
+        """The generation is over (an in-process recovery): stop at once, no last beat."""
+        self._done = True
+        self._stop.set()
+        self._wake.set()
+        set_witness(None)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._chained_hook
+        for t in self._threads:
+            t.join(timeout=0.5)
+        self._threads = []
+
     def _leave(self) -> None:
-        if not self.exit_process:
+        if not self.exit_process:  # in-process recovery: the supervisors act on the verdict
             return
         for h in logging.getLogger().handlers + _log.handlers:
             with contextlib.suppress(Exception):
@@ -557,6 +580,9 @@ class NoWatchdog:
         yield
 
     def stop(self) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
 

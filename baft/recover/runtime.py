@@ -31,11 +31,11 @@ in phases:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baft.liveness.watchdog import attempt_id
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.identity import check_identity, layout_key, shard_records
 from baft.recover.inventory import HostStores, agree, reclaim_stores
@@ -75,7 +75,7 @@ def recover_and_start(
     Returns the iteration to resume from and the recovery's report (None on a fresh
     job). Collective: every rank calls it once, right after building its engine.
     """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = attempt_id()
     agreed = _inventory_and_agree(engine)
     plan = agreed.plan
     never_silently_fresh(

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "baft"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("demo",),
-    ("train",),
+    ("train", "inprocess"),
     ("integrations",),
     ("<face>",),
     ("api",),

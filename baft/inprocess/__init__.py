@@ -1,0 +1,21 @@
+"""In-process recovery: survivors keep their processes, only the failed one is replaced.
+
+Launch: ``torchrun [torchrun options] -m baft.inprocess train.py [ARGS]`` (or
+``-m baft.inprocess -m package.module``), with the training script's body in a
+function run through :func:`baft.run`::
+
+    def main():
+        dist.init_process_group("gloo")       # or nccl
+        ...                                     # stages, schedule, optimizer
+        ft = baft.protect(...)
+        start = ft.restore()
+        for it in range(start, n): ...
+        ft.close()
+
+    if __name__ == "__main__":
+        baft.run(main)
+
+:mod:`.supervisor` (the process torchrun starts) holds the training process
+(:mod:`.child`); :mod:`.control` is the supervisors' shared store; :mod:`.policy` says
+when to give up and let torchrun restart the group.
+"""

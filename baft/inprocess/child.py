@@ -1,0 +1,63 @@
+"""The training process a supervisor starts: the user's script, run as ``__main__``.
+
+Started from a forkserver that imported torch and baft once (:mod:`.supervisor`), so a
+replacement process pays neither the interpreter's start nor torch's import. It sets
+its environment for the generation it joins (``MASTER_PORT`` = that generation's store,
+``TORCHELASTIC_USE_AGENT_STORE=True``: the supervisor hosts the store, so no rank's
+``init_process_group`` tries to), installs its :class:`~baft.liveness.channel.Channel`
+and runs the script (``runpy``) exactly as ``python script.py args`` or
+``python -m module args`` would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from baft.liveness.channel import GENERATION_ENV, Channel, Generation, install
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to run: a script path, or a module (``-m``), and its arguments."""
+
+    path: str
+    module: bool
+    args: tuple[str, ...]
+
+    def argv0(self) -> str:
+        return self.path
+
+
+def _prctl(option: int, arg: Any) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(option, arg, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the channel's EOF still ends us
+        pass
+
+
+def child_main(target: Target, conn: Any, generation: Generation, env: dict[str, str]) -> None:
+    """Entry of a training process (in the forkserver's child)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the forkserver gone: so are we
+    rank = int(os.environ.get("RANK", "0"))
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(f"baft-rank{rank}".encode()[:15]))
+    os.environ.update(env)
+    os.environ["MASTER_PORT"] = str(generation.port)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ[GENERATION_ENV] = str(generation.number)
+    install(Channel(conn, generation, rank))
+    sys.argv = [target.argv0(), *target.args]
+    if target.module:
+        runpy.run_module(target.path, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target.path)))
+        runpy.run_path(target.path, run_name="__main__")

@@ -1,0 +1,113 @@
+"""The supervisors' shared state: one c10d TCPStore hosted by the supervisor of rank 0.
+
+Keys (under ``baft-inprocess/``):
+
+- ``gen``: the job's current generation (``"0"`` at launch). A failure moves it on by
+  one with ``compare_set`` from the generation the failed child ran in, so that several
+  supervisors reporting the same failure start one recovery, not several.
+- ``port/G``: the port of generation ``G``'s c10d store (the process groups' rendezvous),
+  set by the supervisor of rank 0, which hosts it: a store per generation, so that no
+  key of an aborted generation (gloo's peer addresses) is ever read again.
+- ``cause/G``, ``at/G``: why generation ``G`` began and when (wall time), appended.
+- ``kill/G``: ranks whose process must be replaced in generation ``G`` (frozen ranks a
+  watchdog named), appended as ``"r,"``.
+- ``beat/R``: supervisor ``R``'s heartbeat counter; ``done/R``: its child finished.
+- ``giveup``: why in-process recovery gave up: every supervisor stops its child and
+  exits non-zero, and torchrun restarts the group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+PREFIX = "baft-inprocess/"
+
+
+class Control:
+    """One supervisor's connection to the control store (rank 0's also hosts it)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        self.host = host
+        self.rank = rank
+        self.world_size = world_size
+        store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        )  # fmt: skip
+        self.store: Any = dist.PrefixStore(PREFIX, store)  # stubs lack append()
+        if rank == 0:
+            self.store.set("gen", "0")
+        self._gen_stores: dict[int, dist.TCPStore] = {}
+        """Rank 0: the generation stores it hosts (the newest two are kept)."""
+
+    def generation(self) -> int:
+        return int(self.store.get("gen"))
+
+    def begin(self, after: int, cause: str, kill: Sequence[int] = ()) -> int:
+        """Start generation ``after + 1`` unless one after ``after`` began already;
+        returns the current generation."""
+        g = after + 1
+        for r in kill:
+            self.store.append(f"kill/{g}", f"{r},")
+        self.store.append(f"cause/{g}", cause + "; ")
+        self.store.compare_set(f"at/{g}", "", f"{time.time():.6f}")
+        return int(self.store.compare_set("gen", str(after), str(g)))
+
+    def kill_list(self, g: int) -> set[int]:
+        if not self.store.check([f"kill/{g}"]):
+            return set()
+        raw = self.store.get(f"kill/{g}").decode()
+        return {int(r) for r in raw.split(",") if r}
+
+    def describe(self, g: int) -> tuple[str, float]:
+        """Why generation ``g`` began and when."""
+        if g == 0 or not self.store.check([f"cause/{g}"]):
+            return "", 0.0
+        cause = self.store.get(f"cause/{g}").decode().rstrip("; ")
+        at = float(self.store.get(f"at/{g}")) if self.store.check([f"at/{g}"]) else 0.0
+        return cause, at
+
+    def port(self, g: int) -> int | None:
+        """Generation ``g``'s store port, once rank 0's supervisor published it."""
+        key = f"port/{g}"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def host_generation(self, g: int) -> int:
+        """Rank 0: open generation ``g``'s store and publish its port."""
+        if g not in self._gen_stores:
+            store = dist.TCPStore(
+                self.host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                timeout=timedelta(seconds=60),
+            )  # fmt: skip
+            self._gen_stores[g] = store
+            for old in [k for k in self._gen_stores if k < g - 1]:
+                del self._gen_stores[old]
+            self.store.set(f"port/{g}", str(store.port))
+        return self._gen_stores[g].port
+
+    def beat(self, seq: int) -> None:
+        self.store.set(f"beat/{self.rank}", str(seq))
+
+    def beats(self) -> dict[int, bytes]:
+        """Every peer's heartbeat and whether it finished (``b"done"``)."""
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        keys = [f"beat/{r}" for r in peers]
+        present = [r for r, k in zip(peers, keys, strict=True) if self.store.check([k])]
+        if not present:
+            return {}
+        values = self.store.multi_get([f"beat/{r}" for r in present])
+        return dict(zip(present, values, strict=True))
+
+    def finished(self) -> None:
+        self.store.set(f"beat/{self.rank}", "done")
+
+    def give_up(self, reason: str) -> None:
+        self.store.compare_set("giveup", "", reason)
+
+    def given_up(self) -> str | None:
+        return self.store.get("giveup").decode() if self.store.check(["giveup"]) else None

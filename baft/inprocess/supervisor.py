@@ -1,0 +1,266 @@
+"""The per-rank supervisor: the process torchrun starts, holding the training process.
+
+torchrun's agent ends every worker when one exits (then starts them all again: a group
+restart, 2-3 s of imports and rendezvous per process here, minutes at scale). Under
+``torchrun ... -m baft.inprocess script.py ARGS`` the worker torchrun sees is this
+supervisor instead, which never exits on a recoverable failure:
+
+1. At start it opens the control store (:mod:`.control`; rank 0's supervisor hosts it on
+   torchrun's ``MASTER_PORT``, and one c10d store per generation for the training
+   processes) and a forkserver that imports torch and baft once.
+2. It forks the training process (:mod:`.child`) and watches three things at once: the
+   child's exit, the child's messages (:mod:`baft.liveness.channel`), and the control
+   store (polled every ``poll_s``).
+3. **A failure** (its child died, or raised and reported it, or a watchdog named a
+   frozen rank) moves the job to the next generation. Every supervisor then tells its
+   child, whose channel aborts the old generation's connections at once, so the
+   survivors' training functions re-enter in the same process (:func:`baft.api.run`):
+   they keep the interpreter, imports, whatever lives outside the function, the store
+   mappings, and on GPUs the CUDA context. The failed rank's supervisor forks a
+   replacement (and kills a frozen child first). All meet in the new generation's store
+   and restore from memory, each survivor from its own store.
+4. **Giving up** (see :mod:`.policy`): the supervisor records why, kills its child and
+   exits non-zero; torchrun's group restart (``--max-restarts``) takes over, as without
+   in-process recovery. SIGTERM (a preemption) goes to the child, whose agreed flush
+   runs as before; the supervisor exits with the child's status.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from types import FrameType
+from typing import Any
+
+from baft.inprocess.child import Target, child_main
+from baft.inprocess.control import Control
+from baft.inprocess.policy import Ledger, must_replace, silent_peers
+from baft.liveness.channel import Generation
+
+log = logging.getLogger("baft")
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "baft.api"]
+"""What the forkserver imports once for every training process it forks."""
+GIVE_UP_EXIT = 75
+"""A supervisor's status when in-process recovery gave up (torchrun restarts the group)."""
+
+
+@dataclass
+class Options:
+    max_failures: int = 3
+    """More failures of one rank in a launch attempt than this: group restart."""
+    peer_silence_s: float = 5.0
+    """A peer supervisor silent this long (its host is gone): group restart."""
+    poll_s: float = 0.02
+    """How often the control store is read."""
+
+    @classmethod
+    def from_env(cls) -> Options:
+        e = os.environ
+        return cls(
+            max_failures=int(e.get("BAFT_INPROCESS_MAX_FAILURES", "3")),
+            peer_silence_s=float(e.get("BAFT_INPROCESS_PEER_SILENCE_S", "5")),
+        )
+
+
+class Supervisor:
+    """One rank's supervisor (see the module docstring)."""
+
+    def __init__(self, target: Target, options: Options) -> None:
+        self.target = target
+        self.options = options
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.control = Control(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.rank,
+            self.world_size, timeout_s=60.0,
+        )  # fmt: skip
+        self.ledger = Ledger(options.max_failures)
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(PRELOAD)
+        self.child: Any = None
+        self.conn: Any = None
+        self.child_gen = 0
+        """The generation the child runs in (told or spawned)."""
+        self.spawned_in = 0
+        self.terminating = False
+        self._beat = 0
+        self._beat_at = 0.0
+        self._peer_seen: dict[int, tuple[bytes, float]] = {}
+
+    # ------------------------------------------------------------------ child
+    def _generation(self, g: int) -> Generation:
+        """Generation ``g`` with its store port (waits for rank 0's supervisor to open it)."""
+        deadline = time.monotonic() + 60.0
+        while True:
+            port = self.control.host_generation(g) if self.rank == 0 else self.control.port(g)
+            if port is not None:
+                cause, at = self.control.describe(g)
+                return Generation(g, port, cause, at)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no store for generation {g} after 60 s")
+            time.sleep(self.options.poll_s)
+
+    def _spawn(self, g: int) -> None:
+        gen = self._generation(g)
+        parent, child = self.ctx.Pipe()
+        env = {"BAFT_INPROCESS": "1"}
+        self.child = self.ctx.Process(
+            target=child_main, args=(self.target, child, gen, env), name=f"baft-rank{self.rank}"
+        )
+        self.child.start()
+        child.close()
+        self.conn = parent
+        self.child_gen = self.spawned_in = g
+        log.info(
+            "baft supervisor %d: training process %d in generation %d", self.rank, self.child.pid, g
+        )
+
+    def _kill_child(self) -> None:
+        if self.child is not None and self.child.exitcode is None:
+            os.kill(self.child.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._spawn(0)
+        try:
+            code = self._loop()
+        except (RuntimeError, OSError) as e:  # the control store is gone (rank 0's host)
+            code = self._store_lost(e)
+        if self.rank == 0 and code == 0:
+            self._await_peers()  # the store outlives every peer's last call to it
+        return code
+
+    def _store_lost(self, error: BaseException) -> int:
+        """The control store stopped answering: the child may still finish (the job's
+        end, rank 0's supervisor already gone); otherwise the group restarts."""
+        if self.child is not None:
+            self.child.join(5.0)
+            if self.child.exitcode == 0:
+                return 0
+        return self._stop(f"the control store is unreachable: {error}")
+
+    def _await_peers(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                beats = self.control.beats()
+            except (RuntimeError, OSError):
+                return
+            if len(beats) == self.world_size - 1 and all(b == b"done" for b in beats.values()):
+                return
+            time.sleep(self.options.poll_s)
+
+    def _loop(self) -> int:
+        while True:
+            waits = [self.child.sentinel] + ([self.conn] if self.conn is not None else [])
+            wait(waits, timeout=self.options.poll_s)
+            self._read_messages()
+            if self.child.exitcode is not None:
+                code = self._on_exit(self.child.exitcode)
+                if code is not None:
+                    return code
+                continue
+            if self.terminating:
+                continue
+            reason = self.control.given_up()
+            if reason is not None:
+                return self._stop(f"another rank gave up: {reason}")
+            self._follow(self.control.generation())
+            silent = self._watch_peers()
+            if silent:
+                self.control.give_up(f"the supervisors of ranks {silent} are silent (host lost?)")
+
+    def _read_messages(self) -> None:
+        while self.conn is not None and self.conn.poll():
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self.conn = None
+                return
+            kind, g = msg[0], int(msg[1])
+            if kind == "progress":
+                self.ledger.progress(g)
+            elif kind == "failed" and g >= self.control.generation():
+                self._failure(g, f"rank {self.rank} raised: {msg[2]}")
+            elif kind == "suspect":
+                ranks = list(msg[2])
+                self.control.begin(g, f"rank {self.rank}'s watchdog: {msg[3]}", kill=ranks)
+
+    def _failure(self, g: int, cause: str) -> None:
+        why = self.ledger.failure(g)
+        if why is not None:
+            self.control.give_up(f"rank {self.rank} {why}: {cause}")
+            return
+        now = self.control.begin(g, cause)
+        log.warning("baft supervisor %d: %s -> generation %d", self.rank, cause, now)
+
+    def _on_exit(self, code: int) -> int | None:
+        """The child exited: the supervisor's status, or None after a respawn."""
+        if code == 0 or self.terminating:
+            self.control.finished()
+            return code
+        current = self.control.generation()
+        if current <= self.child_gen:  # not a consequence of a recovery under way: a failure
+            what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            self._failure(self.child_gen, f"rank {self.rank}'s process {self.child.pid} {what}")
+        reason = self.control.given_up()
+        if reason is not None:
+            return self._stop(reason)
+        self._spawn(self.control.generation())
+        return None
+
+    def _follow(self, g: int) -> None:
+        """Tell the child about a new generation, or replace it if it was named frozen."""
+        if must_replace(self.rank, self.control.kill_list(g), self.spawned_in, g):
+            if self.child.exitcode is None:
+                log.warning(
+                    "baft supervisor %d: replacing frozen process %d", self.rank, self.child.pid
+                )
+                self._kill_child()
+            return
+        if g > self.child_gen and self.conn is not None:
+            gen = self._generation(g)
+            try:
+                self.conn.send(("gen", gen.number, gen.port, gen.cause, gen.began_at))
+            except (OSError, ValueError):
+                pass
+            self.child_gen = g
+
+    def _watch_peers(self) -> list[int]:
+        now = time.monotonic()
+        if now - self._beat_at < 0.5:
+            return []
+        self._beat_at = now
+        self._beat += 1
+        self.control.beat(self._beat)
+        for r, raw in self.control.beats().items():
+            if raw == b"done":
+                self._peer_seen.pop(r, None)
+                self._peer_seen[r] = (raw, float("inf"))
+            elif self._peer_seen.get(r, (b"", 0.0))[0] != raw:
+                self._peer_seen[r] = (raw, now)
+        last = {r: at for r, (_, at) in self._peer_seen.items() if at != float("inf")}
+        return silent_peers(now, last, self.options.peer_silence_s)
+
+    def _stop(self, reason: str) -> int:
+        log.error(
+            "baft supervisor %d: in-process recovery gives up (%s): group restart",
+            self.rank,
+            reason,
+        )
+        self._kill_child()
+        if self.child is not None:
+            self.child.join(10.0)
+        return GIVE_UP_EXIT
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self.terminating = True
+        if self.child is not None and self.child.exitcode is None:
+            os.kill(self.child.pid, signal.SIGTERM)

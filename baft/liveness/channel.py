@@ -1,0 +1,159 @@
+"""The training process's line to its supervisor, for in-process recovery.
+
+Under ``python -m baft.inprocess`` (see :mod:`baft.inprocess`) every rank's training code
+runs in a child of a small supervisor, and the two talk over a Unix pipe (never TCP:
+an abort shuts TCP sockets down, see below). This module is the child's end:
+
+- **down** (supervisor -> child), one message kind: ``("gen", g, port, cause, began_at)``,
+  "the job moved to generation ``g``; its c10d store listens on ``port``". A reader
+  thread takes it, marks the recovery pending and at once aborts this process's
+  communication of the old generation by shutting down the TCP sockets the training
+  function opened (:func:`baft.liveness.sockets.shutdown_tcp`): whatever the main thread
+  is blocked in (a gloo collective, a pipeline receive, the store) raises, and
+  :func:`baft.api.run` re-enters the training function in generation ``g``.
+- **up** (child -> supervisor): ``("progress", g)`` after the first iteration completed
+  in generation ``g`` (a recovery that finished); ``("failed", g, reason)`` when the
+  training function raised and no new generation came (a failure of this rank: the
+  supervisor starts a recovery or gives up); ``("suspect", g, ranks, reason)`` when this
+  rank's watchdog found frozen ranks (their supervisors replace them).
+
+Nothing here imports from baft outside :mod:`baft.liveness`; without a supervisor
+:func:`current` is None and nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from baft.liveness.sockets import shutdown_tcp, tcp_inodes
+
+log = logging.getLogger("baft")
+
+GENERATION_ENV = "BAFT_GENERATION"
+"""The generation a process (re-)entered the training function in; 0 at first."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One generation of the job's process groups, as the supervisors announced it."""
+
+    number: int
+    port: int
+    """The c10d store of this generation (``MASTER_PORT`` inside the training function)."""
+    cause: str = ""
+    """Why it began (empty for generation 0)."""
+    began_at: float = 0.0
+    """Wall time the failure was seen by a supervisor (0 for generation 0)."""
+
+
+class Channel:
+    """The child's end of the supervisor pipe (a ``multiprocessing`` Connection)."""
+
+    def __init__(self, conn: Any, generation: Generation, rank: int) -> None:
+        self.conn = conn
+        self.rank = rank
+        self.generation = generation
+        self.entered_at = time.time()
+        """Wall time this process (re-)entered the training function."""
+        self.aborted_at = 0.0
+        """Wall time the reader aborted the old generation's sockets (0: not yet)."""
+        self._keep = tcp_inodes()
+        self._lock = threading.Lock()
+        self._pending: Generation | None = None
+        self._arrived = threading.Event()
+        self._progressed = -1
+        self._reader = threading.Thread(target=self._read, name="baft-channel", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ child -> supervisor
+    def _send(self, *msg: Any) -> None:
+        with self._lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError) as e:  # the supervisor is gone: it takes us along
+                log.debug("baft channel: send failed: %s", e)
+
+    def progress(self) -> None:
+        """An iteration completed in this generation (sent once per generation)."""
+        g = self.generation.number
+        if self._progressed != g:
+            self._progressed = g
+            self._send("progress", g)
+
+    def failed(self, reason: str) -> None:
+        self._send("failed", self.generation.number, reason)
+
+    def suspect(self, ranks: list[int], reason: str) -> None:
+        self._send("suspect", self.generation.number, sorted(ranks), reason)
+
+    # ------------------------------------------------------------------ supervisor -> child
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the supervisor is gone: so is this rank
+                log.error("baft: the supervisor of rank %d is gone: leaving", self.rank)
+                os.kill(os.getpid(), signal.SIGKILL)
+                return
+            if msg[0] != "gen":
+                continue
+            gen = Generation(int(msg[1]), int(msg[2]), str(msg[3]), float(msg[4]))
+            with self._lock:
+                if gen.number <= self.generation.number:
+                    continue
+                self._pending = gen
+            self.aborted_at = time.time()
+            n = shutdown_tcp(self._keep)
+            log.info(
+                "baft: generation %d (%s): aborted this rank's %d connections of generation %d",
+                gen.number, gen.cause, n, self.generation.number,
+            )  # fmt: skip
+            self._arrived.set()
+
+    def pending(self) -> Generation | None:
+        with self._lock:
+            return self._pending
+
+    def wait_for_generation(self, timeout_s: float | None) -> bool:
+        """Whether a new generation was announced (waiting up to ``timeout_s``)."""
+        return self._arrived.wait(timeout_s)
+
+    def abort_again(self) -> None:
+        """Shut down what the old generation still holds (sockets opened after the abort)."""
+        shutdown_tcp(self._keep)
+
+    def enter(self) -> Generation:
+        """Move to the announced generation: its store becomes ``MASTER_PORT``."""
+        with self._lock:
+            gen, self._pending = self._pending, None
+            self._arrived.clear()
+        assert gen is not None, "enter() without an announced generation"
+        self.generation = gen
+        self.entered_at = time.time()
+        os.environ["MASTER_PORT"] = str(gen.port)
+        os.environ[GENERATION_ENV] = str(gen.number)
+        return gen
+
+
+_current: Channel | None = None
+
+
+def current() -> Channel | None:
+    """This process's channel to its supervisor, or None (not under ``baft.inprocess``)."""
+    return _current
+
+
+def install(channel: Channel | None) -> None:
+    global _current
+    _current = channel
+
+
+def generation() -> int:
+    """The generation this process runs in (0 without a supervisor)."""
+    return int(os.environ.get(GENERATION_ENV, "0"))
