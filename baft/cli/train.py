@@ -154,6 +154,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         help="torchrun restarts after failures (default %(default)s)",
     )
     g.add_argument(
+        "--no-inprocess",
+        action="store_true",
+        help="recover every failure by restarting every process (torchrun's group restart) "
+        "instead of replacing the failed one while the others stay",
+    )
+    g.add_argument(
         "--timeout",
         type=float,
         default=d_ck.timeouts.collective_s,
@@ -205,6 +211,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         ck.persist.dir = a.persist_dir
         cfg.checkpoint = ck
         cfg.max_restarts = a.max_restarts
+        cfg.inprocess = not a.no_inprocess
         cfg.inject = list(a.inject)
         if cfg.inject:
             from baft.faults.spec import FaultSpec

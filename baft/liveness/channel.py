@@ -59,6 +59,8 @@ class Channel:
         self.conn = conn
         self.rank = rank
         self.generation = generation
+        self.spawned_in = generation.number
+        """The generation this process started in (> 0: it replaced a failed one)."""
         self.entered_at = time.time()
         """Wall time this process (re-)entered the training function."""
         self.aborted_at = 0.0
@@ -142,6 +144,29 @@ class Channel:
 
 
 _current: Channel | None = None
+
+
+def recovery_phases(fault_at: float | None, t_launch: float) -> dict[str, float]:
+    """The in-process recovery's phases up to this process's (re-)entry, when this
+    generation is a recovery: ``detect`` (the fault to the supervisor that saw it; when
+    the fault's time is known) and ``abort`` (a survivor: from there to re-entering the
+    training function) or ``replace`` (a replacement: to its start)."""
+    ch = _current
+    if ch is None or ch.generation.number == 0 or not ch.generation.began_at:
+        return {}
+    began = ch.generation.began_at
+    out = {"detect": began - fault_at} if fault_at is not None else {}
+    out["replace" if ch.spawned_in == ch.generation.number else "abort"] = t_launch - began
+    return out
+
+
+def describe() -> dict[str, object]:
+    """This process's generation for a recovery record (empty without a supervisor)."""
+    ch = _current
+    if ch is None:
+        return {}
+    g = ch.generation
+    return {"generation": g.number, "cause": g.cause, "replacement": ch.spawned_in == g.number}
 
 
 def current() -> Channel | None:

@@ -503,11 +503,13 @@ class Watchdog:
         self.verdict = (verdict, reason)
         now_wall, now = time.time(), time.monotonic()
         _log.error(
-            "baft watchdog (rank %d, attempt %d): %s; this rank leaves so that torchrun "
-            "restarts the group (stacks of this rank's threads follow)",
+            "baft watchdog (rank %d, attempt %d): %s; %s (stacks of this rank's threads follow)",
             self.rank,
             self.attempt,
             reason,
+            "this rank leaves so that torchrun restarts the group"
+            if self.exit_process
+            else "the supervisors replace the suspect and this rank recovers in-process",
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         ch = channel.current()

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baft.liveness import channel
 from baft.liveness.watchdog import attempt_id
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.identity import check_identity, layout_key, shard_records
@@ -105,12 +106,14 @@ def recover_and_start(
         log.info("recovery: %s", agreed.reason)
     agreed.stores.drop_read_caches()
     window = agreed.window
+    t_start = time.time()
     engine.start(
         resume,
         restored_version=plan.version if plan.source == "memory" else None,
         first_version=window.first_version if window is not None else None,
         rotation_k=window.k if window is not None else None,
     )
+    report.phase("engine_start", time.time() - t_start)
     report.first_iteration_started()
     return resume, report
 
@@ -233,7 +236,12 @@ def _fill_report(
         report.record["hosts"] = {str(r): h for r, h in located.hosts.items()}
     if reclaimed:
         report.record["reclaimed"] = reclaimed
-    if fault_times:
+    inprocess = channel.recovery_phases(max(fault_times) if fault_times else None, t_launch)
+    if inprocess:  # the survivors re-entered in-process, the failed rank was replaced
+        report.record["inprocess"] = channel.describe()
+        for name, seconds in inprocess.items():
+            report.phase(name, seconds)
+    elif fault_times:
         report.phase("detect_restart", t_launch - max(fault_times))
     report_hang(report, run_dir, report.record["attempt"], t_launch)
     if t_rdzv > t_launch:

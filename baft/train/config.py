@@ -137,6 +137,9 @@ class TrainConfig:
     """Fault tolerance; None trains without checkpoints."""
     max_restarts: int = 3
     """torchrun worker-group restarts before giving up (``torchrun --max-restarts``)."""
+    inprocess: bool = True
+    """In-process recovery (:mod:`baft.inprocess`): survivors keep their processes and only
+    the failed rank is replaced; False: every failure restarts the whole group."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see :mod:`baft.faults`), e.g. ``["kill:rank=1,iter=7"]``:
     handed to ``ft.inject`` before the restore."""

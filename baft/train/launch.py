@@ -41,13 +41,20 @@ WORKER = "baft.train.worker"
 
 
 def torchrun_command(
-    cfg_path: Path, nproc: int, max_restarts: int = 0, worker: str = WORKER
+    cfg_path: Path,
+    nproc: int,
+    max_restarts: int = 0,
+    worker: str = WORKER,
+    *,
+    inprocess: bool = False,
 ) -> list[str]:
     """torchrun for the workers of ``cfg_path``'s run. Worker output goes to
     ``RUN_DIR/logs/`` (a crashed rank's peers' stack traces stay off the console); stdout
     is also shown (rank 0's progress and its one line per plan, failure and recovery).
     ``worker``: another entry module taking the same argument (one that wraps
-    :func:`baft.train.worker.main`)."""
+    :func:`baft.train.worker.main`). ``inprocess``: every rank runs under its supervisor
+    (``-m baft.inprocess``), which replaces a failed worker while the others stay."""
+    entry = ["-m", "baft.inprocess", "-m", worker] if inprocess else ["-m", worker]
     return [
         sys.executable,
         "-m",
@@ -59,8 +66,7 @@ def torchrun_command(
         f"--log-dir={cfg_path.parent / 'logs'}",
         "--redirects=3",
         "--tee=1",
-        "-m",
-        worker,
+        *entry,
         str(cfg_path),
     ]
 
@@ -129,7 +135,10 @@ def launch(
     cfg_path = prepare_run_dir(cfg, resume=resume)
     if max_restarts is None:
         max_restarts = cfg.max_restarts if cfg.checkpoint else 0
-    cmd = torchrun_command(cfg_path, cfg.parallel.world_size, max_restarts, worker)
+    inprocess = cfg.inprocess and cfg.checkpoint is not None and cfg.instrument
+    cmd = torchrun_command(
+        cfg_path, cfg.parallel.world_size, max_restarts, worker, inprocess=inprocess
+    )
     stdout = subprocess.DEVNULL if quiet else None
     ck = cfg.checkpoint
     flush_s = ck.timeouts.flush_s if ck is not None else 0.0

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from baft.api import run as baft_run
 from baft.pipeline.mesh import init_mesh
 from baft.pipeline.step import StepResult, combine_digests
 from baft.train.config import TrainConfig
@@ -193,7 +194,8 @@ def _exit_without_finalizing() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
-    return process_main(lambda: run(cfg))
+    # under `-m baft.inprocess`, a peer's failure re-enters run() in this process
+    return process_main(lambda: baft_run(run, cfg))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def test_survivors_of_a_killed_rank_leave_without_the_grace(tmp_path: Path) -> N
         "--dp", "1", "--pp", "2", "--microbatches", "2", "--ranks-per-node", "1",
         "--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "32",
         "--iterations", str(ITERATIONS), "--batch", "8", "--profile-iters", "2",
-        "--max-restarts", "1",
+        "--max-restarts", "1", "--no-inprocess",  # the group restart's SIGTERM is the subject
         "--checkpoint", "every=1,redundancy=replicate:1,persist=0,full_every=1",
         # rank 0 sleeps 2 s in each slot of iteration 5: asleep there when rank 1 dies
         "--inject", f"slow:rank=0,iter={KILL_AFTER},s=2.0,iters=1",

@@ -1,6 +1,7 @@
 """A user's own pipelining script in the README quickstart shape, for the fault matrix.
 
-Run it like a user would (one process per rank):
+Run it like a user would (one process per rank; add ``-m baft.inprocess`` before the
+script for in-process recovery):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
         tests/e2e/user_script.py --out runs/user            # protected by baft
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--job-id", default="")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--unprotected", action="store_true")
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds per iteration (a window)")
     return p.parse_args()
 
 
@@ -180,6 +183,7 @@ def main() -> None:  # noqa: PLR0915 - one straight user loop
                 dist.broadcast(b, group=dp_group, group_src=0)
         if mb_losses:
             losses[it] = float(torch.stack(mb_losses).detach().mean())
+        time.sleep(a.sleep)
     if ft is not None:
         ft.close()
     state = {
@@ -196,4 +200,6 @@ def main() -> None:  # noqa: PLR0915 - one straight user loop
 
 
 if __name__ == "__main__":
-    main()
+    import baft
+
+    baft.run(main)  # under `-m baft.inprocess`: survivors re-enter main() after a failure
