@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +56,15 @@ class Generation:
 class Channel:
     """The child's end of the supervisor pipe (a ``multiprocessing`` Connection)."""
 
-    def __init__(self, conn: Any, generation: Generation, rank: int) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        generation: Generation,
+        rank: int,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         self.conn = conn
+        self._on_lost = on_lost or _die
         self.rank = rank
         self.generation = generation
         self.spawned_in = generation.number
@@ -101,7 +109,7 @@ class Channel:
                 msg = self.conn.recv()
             except (EOFError, OSError):  # the supervisor is gone: so is this rank
                 log.error("baft: the supervisor of rank %d is gone: leaving", self.rank)
-                os.kill(os.getpid(), signal.SIGKILL)
+                self._on_lost()
                 return
             if msg[0] != "gen":
                 continue
@@ -141,6 +149,10 @@ class Channel:
         os.environ["MASTER_PORT"] = str(gen.port)
         os.environ[GENERATION_ENV] = str(gen.number)
         return gen
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 _current: Channel | None = None

@@ -1,0 +1,115 @@
+"""In-process recovery's pieces without processes: the give-up policy, the control store
+(one TCPStore in this process), the child's channel and the socket abort."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from baft.inprocess.control import Control
+from baft.inprocess.policy import Ledger, must_replace, silent_peers
+from baft.liveness import channel
+from baft.liveness.channel import Channel, Generation, recovery_phases
+from baft.liveness.sockets import shutdown_tcp, tcp_inodes
+
+
+def test_ledger_gives_up_on_a_failure_during_a_recovery() -> None:
+    led = Ledger(max_failures=3)
+    assert led.failure(0) is None  # the first failure: recover in-process
+    led.progress(1)
+    assert led.failure(1) is None  # generation 1 had completed an iteration
+    reason = led.failure(2)  # generation 2 never did: a failure during its recovery
+    assert reason is not None and "generation 2 before its first iteration" in reason
+
+
+def test_ledger_gives_up_after_max_failures() -> None:
+    led = Ledger(max_failures=2)
+    for g in range(3):
+        led.progress(g)
+    assert [led.failure(0), led.failure(1)] == [None, None]
+    assert "3 failures of this rank (limit 2)" in str(led.failure(2))
+
+
+def test_only_a_named_child_spawned_before_the_generation_is_replaced() -> None:
+    assert must_replace(2, {2}, spawned_in=0, generation=1)
+    assert not must_replace(2, {2}, spawned_in=1, generation=1)  # the replacement itself
+    assert not must_replace(1, {2}, spawned_in=0, generation=1)
+    assert silent_peers(10.0, {0: 9.0, 1: 2.0, 3: 4.9}, 5.0) == [1, 3]
+
+
+def test_control_starts_one_generation_per_failure() -> None:
+    c = Control("127.0.0.1", 0, rank=0, world_size=1, timeout_s=5.0)
+    assert c.generation() == 0
+    assert c.begin(0, "rank 1 died") == 1
+    assert c.begin(0, "rank 2 saw it too", kill=[3]) == 1  # the same failure: still 1
+    assert c.generation() == 1
+    cause, at = c.describe(1)
+    assert cause == "rank 1 died; rank 2 saw it too" and at > 0
+    assert c.kill_list(1) == {3} and c.kill_list(2) == set()
+    port = c.host_generation(1)
+    assert c.port(1) == port and c.port(2) is None
+    assert c.given_up() is None
+    c.give_up("first")
+    c.give_up("second")
+    assert c.given_up() == "first"
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    return server, client, peer
+
+
+def test_shutdown_tcp_unblocks_a_reader_and_spares_the_snapshot() -> None:
+    old_server, old_client, old_peer = _tcp_pair()
+    keep = tcp_inodes()
+    server, client, peer = _tcp_pair()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(client.recv(10)))
+    reader.start()
+    time.sleep(0.05)
+    assert shutdown_tcp(keep) == 2  # the new pair's two ends (both in this process)
+    reader.join(5.0)
+    assert got == [b""]  # the blocked recv returned (end of stream)
+    old_peer.sendall(b"x")
+    assert old_client.recv(1) == b"x"  # what existed before is untouched
+    for s in (old_server, old_client, old_peer, server, client, peer):
+        s.close()
+
+
+def test_channel_takes_a_generation_and_reports_up() -> None:
+    parent, child = multiprocessing.Pipe()
+    ch = Channel(child, Generation(0, 1234), rank=2, on_lost=lambda: None)
+    channel.install(ch)
+    try:
+        ch.progress()
+        ch.progress()  # once per generation
+        ch.failed("boom")
+        ch.suspect([3, 1], "silent")
+        assert [parent.recv() for _ in range(3)] == [
+            ("progress", 0), ("failed", 0, "boom"), ("suspect", 0, [1, 3], "silent"),
+        ]  # fmt: skip
+        assert not parent.poll(0.05)
+        parent.send(("gen", 1, 5678, "rank 1 died", 100.0))
+        assert ch.wait_for_generation(5.0)
+        gen = ch.enter()
+        assert gen == Generation(1, 5678, "rank 1 died", 100.0)
+        assert os.environ["MASTER_PORT"] == "5678" and channel.generation() == 1
+        assert channel.describe() == {"generation": 1, "cause": "rank 1 died", "replacement": False}
+        assert recovery_phases(99.5, t_launch=100.25) == {"detect": 0.5, "abort": 0.25}
+    finally:
+        channel.install(None)
+        os.environ.pop(channel.GENERATION_ENV, None)
+        os.environ.pop("MASTER_PORT", None)
+        parent.close()
+
+
+@pytest.mark.parametrize("fault_at", [None])
+def test_no_phases_without_a_supervisor(fault_at: float | None) -> None:
+    assert recovery_phases(fault_at, 1.0) == {} and channel.describe() == {}
