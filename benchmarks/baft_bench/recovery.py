@@ -109,6 +109,10 @@ def run_recovery(a: Any) -> int:
         },
     }
     result["rows"] += _peer_rows(a)
+    if a.failures > 0:
+        from baft_bench.downtime import downtime_rows
+
+        result["downtime"] = downtime_rows(a, _cfg)
     if a.json:
         print(json.dumps(result))
     else:
@@ -165,7 +169,7 @@ def _markdown(result: dict[str, Any], a: Any) -> str:
     cmd = (
         f"baft bench recovery --layers {a.layers} --d-model {a.d_model} "
         f"--iterations {a.iterations} --persist-every {a.persist_every} "
-        f"--full-every {a.full_every}"
+        f"--full-every {a.full_every} --hang-timeout {a.hang_timeout:g} --failures {a.failures}"
     )
     lines = [
         f"# Recovery: memory (baft) vs disk (DCP) — {dt.date.today().isoformat()}",
@@ -194,5 +198,9 @@ def _markdown(result: dict[str, Any], a: Any) -> str:
     lines.append("")
     for k, v in result["restore_speedup_vs_disk"].items():
         lines.append(f"- restore phase, memory after a {k}: {v:.2f}x as fast as from disk")
+    if result.get("downtime"):
+        from baft_bench.downtime import markdown
+
+        lines += ["", *markdown(result["downtime"])]
     lines += ["", "Raw:", "```json", json.dumps(result, indent=1), "```", ""]
     return "\n".join(lines)
