@@ -21,7 +21,6 @@ from typing import Any
 
 from baft.liveness.channel import GENERATION_ENV, Channel, Generation, install
 
-_PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
@@ -47,7 +46,7 @@ def _prctl(option: int, arg: Any) -> None:
 
 def child_main(target: Target, conn: Any, generation: Generation, env: dict[str, str]) -> None:
     """Entry of a training process (in the forkserver's child)."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the forkserver gone: so are we
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it, not us
     rank = int(os.environ.get("RANK", "0"))
     _prctl(_PR_SET_NAME, ctypes.c_char_p(f"baft-rank{rank}".encode()[:15]))
     os.environ.update(env)

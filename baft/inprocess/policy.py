@@ -36,7 +36,7 @@ class Ledger:
         self.failures += 1
         if generation > 0 and generation not in self.progressed:
             return (
-                f"failed again in generation {generation} before its first iteration "
+                f"failed in generation {generation} before its first iteration "
                 "(a failure during a recovery)"
             )
         if self.failures > self.max_failures:

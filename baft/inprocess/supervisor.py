@@ -33,6 +33,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from types import FrameType
 from typing import Any
@@ -127,6 +128,11 @@ class Supervisor:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        # torchrun stops a worker with killpg(SIGTERM): the forkserver (and the resource
+        # tracker) start with SIGTERM ignored, so that a preemption reaches the training
+        # process (which flushes) without killing the process it was forked from
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        forkserver.ensure_running()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._spawn(0)
         try:

@@ -24,7 +24,7 @@ def test_ledger_gives_up_on_a_failure_during_a_recovery() -> None:
     led.progress(1)
     assert led.failure(1) is None  # generation 1 had completed an iteration
     reason = led.failure(2)  # generation 2 never did: a failure during its recovery
-    assert reason is not None and "generation 2 before its first iteration" in reason
+    assert reason is not None and "in generation 2 before its first iteration" in reason
 
 
 def test_ledger_gives_up_after_max_failures() -> None:
