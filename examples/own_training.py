@@ -7,6 +7,9 @@ to see a crash and an in-memory recovery):
         --max-restarts 2 --log-dir runs/example/logs --redirects 3 \\
         examples/own_training.py --out runs/example --inject kill:rank=1,iter=5,at=transfer
 
+In-process recovery (only the failed process is replaced; the others re-enter ``main()``):
+the same command with ``-m baft.inprocess`` before the script.
+
 (``--log-dir``/``--redirects 3``: each worker's output goes to a file under
 ``runs/example/logs/``, so the survivors' stack traces after a kill stay off the console.)
 
@@ -188,4 +191,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    baft.run(main)  # baft: under `-m baft.inprocess`, survivors re-enter main() after a failure
