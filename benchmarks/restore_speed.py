@@ -165,6 +165,7 @@ def _rank_main(cfg_path: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    import baft
     from baft.engine.build import build_engine
     from baft.pipeline.mesh import init_mesh
     from baft.train.config import TrainConfig
@@ -180,6 +181,7 @@ def _rank_main(cfg_path: Path) -> None:
     profile = bool(opts["profile"]) and mesh.rank == int(opts.get("profile_rank", 0))
     mine = _measure(engine, int(opts["repeats"]), profile)
     mine["state_bytes"] = int(engine.flat.nbytes)
+    mine["baft"] = str(Path(baft.__file__).parent)  # which code measured (a before/after)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if mesh.rank == 0:
@@ -225,6 +227,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     res["identical"] = all(r["identical"] for r in per_rank)
     res["differing"] = [r.get("differing", {}) for r in per_rank]
     res["state_bytes"] = [r["state_bytes"] for r in per_rank]
+    res["baft"] = per_rank[0]["baft"]
     for kind in ("memory", "disk"):
         worst = [max(r[kind][i]["total"] for r in per_rank) for i in range(n)]
         res[f"{kind}_s"] = worst
@@ -253,6 +256,7 @@ def markdown(res: dict[str, Any], a: argparse.Namespace) -> str:
         f"--persist-every {a.persist_every} --full-every {a.full_every}`",
         f"- job: the recovery bench's (GPT pp=2 on 2 ranks, xor:2, full_every={a.full_every}), "
         f"{a.iterations} iterations; state per rank {mib}; restored v{res['version']}",
+        f"- code measured: `{res['baft']}`",
         "- per repeat the slowest rank; memory = inventory + transfer/decode + load (replay "
         "included), disk = list versions + DCP load, alternating; bit-identical: "
         f"{res['identical']}",

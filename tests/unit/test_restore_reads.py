@@ -147,3 +147,14 @@ def test_a_shard_of_another_size_than_planned_is_refused(
     monkeypatch.setattr(load, "rebuild_shard", lambda *a, **k: np.zeros(5, np.uint8))
     got = _payloads(tmp_path, *setup)
     assert all(isinstance(g, RestoreError) and "has 5 bytes" in str(g) for g in got), got
+
+
+def test_a_piece_covering_the_whole_buffer_is_used_as_it_is() -> None:
+    from baft.recover.transfer import whole
+
+    piece = np.arange(8, dtype=np.uint8)
+    assert whole([(0, piece)], 8) is piece
+    parts = whole([(4, piece[4:]), (0, piece[:2])], 8)
+    assert parts.tolist() == [0, 1, 0, 0, 4, 5, 6, 7]
+    assert not np.shares_memory(parts, piece)
+    assert whole([(0, piece[:6])], 8).tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
