@@ -214,7 +214,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     opts = {"repeats": a.repeats, "profile": a.profile, "profile_rank": a.profile_rank}
     (out / OPTIONS).write_text(json.dumps(opts))
     (out / RESULT).unlink(missing_ok=True)
-    rc = launch(_cfg(a, out), quiet=not a.verbose, resume=True, max_restarts=0, worker="restore_speed")
+    rc = launch(
+        _cfg(a, out), quiet=not a.verbose, resume=True, max_restarts=0, worker="restore_speed"
+    )
     if rc != 0 or not (out / RESULT).exists():
         raise RuntimeError("the measuring job failed; rerun with --verbose")
     return summarize(json.loads((out / RESULT).read_text()))

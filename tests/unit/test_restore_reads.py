@@ -21,8 +21,8 @@ from baft.recover.differential import RestoreError
 from baft.recover.inventory import HostStores, agree, verify_reads
 from baft.recover.load import rebuild_payload
 from baft.store import manifest as manifest_mod
-from baft.topology import Topology
 from baft.store.coding import Redundancy, group_layouts
+from baft.topology import Topology
 from tests.unit.test_restore_inprocess import (
     SIZES,
     WORLD,
