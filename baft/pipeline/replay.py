@@ -161,6 +161,8 @@ def replay(
     params: Mapping[str, torch.nn.Parameter],
     base_version: Mapping[str, int],
     records: Sequence[StepRecord],
+    *,
+    consume: bool = False,
 ) -> None:
     """Apply ``records`` in order to params restored from their full copies.
 
@@ -185,6 +187,13 @@ def replay(
     optimizer is not replay-safe, names or steps do not line up (a record with a grad for
     a name not in ``params`` too: filter records for a partial replay), or a recorded grad does
     not match its param's shape or dtype.
+
+    ``consume``: the records are used once and may be written to: a recorded grad that
+    could be the param's grad as it is (a plain tensor of the param's device, dtype and
+    strides) is handed to the optimizer without a copy (some steps write into their
+    grads: SGD's foreach Nesterov step adds the momentum in place). A restore whose
+    records are views of bytes read for it alone passes True; by default every grad is
+    copied into a spare buffer first.
     """
     why = replay_safe(optimizer)
     if why is not None:
@@ -206,6 +215,9 @@ def replay(
                 g = rec.grads.get(name) if base_version[name] <= rec.step else None
                 if g is None:
                     p.grad = None
+                    continue
+                if consume and _usable_as_grad(g, p):
+                    p.grad = g
                     continue
                 buf = spare.get(name)
                 if buf is None:
@@ -234,6 +246,22 @@ def replay(
         for p, grad in zip(others, others_grads, strict=True):
             p.grad = grad
         _set_scaler(optimizer, saved_scaler)
+
+
+def _usable_as_grad(g: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether ``g`` can be ``p``'s grad as it is: plain tensors (no DTensor on either
+    side) of one device, dtype, shape and strides (the copy into a spare buffer would
+    give exactly these bytes and strides)."""
+    if isinstance(g, DTensor) or isinstance(p, DTensor):
+        return False
+    return (
+        g.device == p.device
+        and g.dtype == p.dtype
+        and g.shape == p.shape
+        and g.stride() == p.stride()
+        and g.layout == p.layout
+        and not g.requires_grad
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

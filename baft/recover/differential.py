@@ -131,7 +131,9 @@ def rebuild_from_payloads(
         deferred.place_deferred(_created_at_bases(layout, payloads, base_of, *flags))
     # replay leaves the param groups as they are: version v's hyperparameters are the
     # live ones (or were loaded with the small state of payload v)
-    replay(optimizer, dict(params), base_of, records)  # type: ignore[arg-type]
+    # the records' grads are views of payload bytes read for this restore alone (a
+    # private read mapping or a receive buffer): the optimizer may take them as they are
+    replay(optimizer, dict(params), base_of, records, consume=True)  # type: ignore[arg-type]
     if deferred is not None:
         deferred.adopt_deferred()
     return {"bases": sorted(set(base_of.values())), "replayed_steps": len(records)}

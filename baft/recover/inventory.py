@@ -51,6 +51,11 @@ class HostStores:
         self.host = host if host is not None else f"rank{own.rank}"
         self.scan = host is not None
         self._open: dict[tuple[int, int], SnapshotStore] = {}
+        self.verified: set[tuple[str, int, int, int | None]] = set()
+        """Reads :func:`verify_reads` found clean in this restore, by (store, slot,
+        version, region id; None: the shard): a window that reads them again (its
+        newest payload is the version agreed first) does not hash them twice. Nothing
+        writes a store while a restore reads it."""
 
     def refs(self) -> list[StoreRef]:
         """Every store directory of the job on this host (the own one if it exists)."""
@@ -166,7 +171,8 @@ def _reads(
 
 
 def verify_reads(stores: HostStores, rank: int, plan: RecoveryPlan) -> list[str]:
-    """Checksum the store bytes this rank reads for ``plan``; returns the problems."""
+    """Checksum the store bytes this rank reads for ``plan``; returns the problems.
+    Bytes already found clean in this restore (``stores.verified``) are not hashed again."""
     data_slots, region_ids = _reads(rank, plan)
     problems: list[str] = []
     for ref, slot in sorted(data_slots | set(region_ids), key=lambda k: (str(k[0]), k[1])):
@@ -176,9 +182,11 @@ def verify_reads(stores: HostStores, rank: int, plan: RecoveryPlan) -> list[str]
         if m is None or m.version != plan.version:
             problems.append(f"{where}: v{plan.version} is not there")
             continue
-        wanted = region_ids.get((ref, slot), set())
+        key = (str(store.path), slot, m.version)
+        shard = (ref, slot) in data_slots and (*key, None) not in stores.verified
+        wanted = {i for i in region_ids.get((ref, slot), set()) if (*key, i) not in stores.verified}
         try:
-            data = store.read(slot, "data", 0, m.data_nbytes) if (ref, slot) in data_slots else None
+            data = store.read(slot, "data", 0, m.data_nbytes) if shard else None
             red = store.read(slot, "red", 0, m.red_nbytes) if wanted else None
         except StoreReadError as err:
             problems.append(f"{where} v{m.version}: {err}")
@@ -190,6 +198,9 @@ def verify_reads(stores: HostStores, rank: int, plan: RecoveryPlan) -> list[str]
         problems += [
             f"{where} v{m.version} region {r.region_id}: checksum mismatch" for r in found.regions
         ]
+        if shard and not found.chunks:
+            stores.verified.add((*key, None))
+        stores.verified.update((*key, i) for i in wanted - {r.region_id for r in found.regions})
     return problems
 
 

@@ -51,9 +51,21 @@ def load_from_shards(engine: Restorable, plan: RecoveryPlan, shard: np.ndarray) 
 
 def rebuild_payload(engine: Restorable, stores: HostStores, plan: RecoveryPlan) -> torch.Tensor:
     """The whole stage's payload of ``plan.version``: this rank's shard (local, replica or
-    decoded) and the DP replicas' shares, assembled. Collective."""
+    decoded) and the DP replicas' shares, assembled. Collective.
+
+    A rank that is its stage's only replica holds the whole payload in its shard: that
+    is returned as it is (for a local shard, a view of the store's read mapping, which is
+    private: nothing written into it reaches the store), not copied into a new buffer."""
     shard = rebuild_shard(stores, engine.transport, engine.rank, plan)
-    total = sum(plan.shard_nbytes[r] for r in engine.topology.replicas(engine.rank))
+    replicas = engine.topology.replicas(engine.rank)
+    if replicas == (engine.rank,):
+        if shard.size != plan.shard_nbytes[engine.rank]:
+            raise RestoreError(
+                f"rank {engine.rank}: shard of v{plan.version} has {shard.size} bytes, "
+                f"the plan says {plan.shard_nbytes[engine.rank]}"
+            )
+        return torch.from_numpy(shard)
+    total = sum(plan.shard_nbytes[r] for r in replicas)
     out = torch.empty(total, dtype=torch.uint8)
 
     def write(pos: int, piece: torch.Tensor) -> None:

@@ -191,7 +191,10 @@ def _rebuild_and_load(
         stores = agreed.stores
         payloads = {int(p.version or 0): rebuild_payload(engine, stores, p) for p in window.plans}
         t_transfer = time.time() - t1
-        report.record["replay"] = load_window(engine, window, payloads)
+        try:
+            report.record["replay"] = load_window(engine, window, payloads)
+        finally:  # the replay may write into its records (read mappings' private pages)
+            stores.drop_read_caches()  # so a later read maps the store afresh
     elif plan.source == "memory":
         shard = rebuild_shard(agreed.stores, engine.transport, engine.rank, plan)
         t_transfer = time.time() - t1

@@ -104,24 +104,35 @@ def _decode(rank: int, plan: RecoveryPlan, received: dict[int, np.ndarray]) -> n
     decode = next((d for d in plan.decodes if d.rank == rank), None)
     if decode is None:
         raise RestoreError(f"rank {rank}: no local shard of v{plan.version} and no decode planned")
-    shards: dict[int, np.ndarray] = {}
-    regions: dict[int, np.ndarray] = {}
+    shard_pieces: dict[int, list[tuple[int, np.ndarray]]] = {}
+    region_pieces: dict[int, list[tuple[int, np.ndarray]]] = {}
     for tag, t in enumerate(plan.transfers):
         if t.dst_rank != rank:
             continue
         if t.kind == "shard":
             owner = t.src_store.rank if t.src_store is not None else t.src_rank
-            full = shards.setdefault(owner, np.zeros(plan.shard_nbytes[owner], np.uint8))
-            full[t.offset : t.offset + t.nbytes] = received[tag]
+            shard_pieces.setdefault(owner, []).append((t.offset, received[tag]))
         else:
-            region = decode.layout.region(t.region_id)
-            part = regions.setdefault(t.region_id, np.zeros(region.nbytes, np.uint8))
-            start = t.offset - region.offset
-            part[start : start + t.nbytes] = received[tag]
+            start = t.offset - decode.layout.region(t.region_id).offset
+            region_pieces.setdefault(t.region_id, []).append((start, received[tag]))
+    shards = {o: whole(p, plan.shard_nbytes[o]) for o, p in shard_pieces.items()}
+    regions = {i: whole(p, decode.layout.region(i).nbytes) for i, p in region_pieces.items()}
     try:
         return decode.layout.rebuild(rank, shards, regions, recipe=decode.recipe)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise RestoreError(f"rank {rank}: cannot rebuild shard of v{plan.version}: {e}") from e
+
+
+def whole(pieces: list[tuple[int, np.ndarray]], nbytes: int) -> np.ndarray:
+    """A buffer of ``nbytes`` holding ``pieces`` ((offset, bytes)) at their offsets, zeros
+    elsewhere (a decode reads only the ranges its recipe names). One piece that covers
+    it all is that buffer, not copied (a whole shard or region moved in one transfer)."""
+    if len(pieces) == 1 and pieces[0][0] == 0 and pieces[0][1].size == nbytes:
+        return pieces[0][1]
+    out = np.zeros(nbytes, np.uint8)
+    for offset, piece in pieces:
+        out[offset : offset + piece.size] = piece
+    return out
 
 
 def exchange_replicas(

@@ -206,8 +206,11 @@ class Run:
         self.entries.append(_entries(self.opt))
 
 
-def _rebuild(run: Run, factory: Factory, v: int, k: int = K) -> tuple[Net, torch.optim.Optimizer]:
-    """A fresh model/optimizer restored from a k-slice rotation and replayed up to v."""
+def _rebuild(
+    run: Run, factory: Factory, v: int, k: int = K, consume: bool = False
+) -> tuple[Net, torch.optim.Optimizer]:
+    """A fresh model/optimizer restored from a k-slice rotation and replayed up to v
+    (``consume``: on copies of the records, which the replay may take as they are)."""
     torch.manual_seed(123)  # different init: every value must come from copies + replay
     model = Net(run.model.side_parity).to(run.device)
     opt = factory(_groups(model))
@@ -230,8 +233,16 @@ def _rebuild(run: Run, factory: Factory, v: int, k: int = K) -> tuple[Net, torch
             del opt.state[p]
     for group, entries in zip(opt.param_groups, run.entries[v], strict=True):
         group.update(copy.deepcopy(entries))  # version v's hyperparameters (small state)
-    replay(opt, params, base, run.records[min(base.values()) : v])
+    records = run.records[min(base.values()) : v]
+    if consume:
+        records = [_cloned(r) for r in records]
+    replay(opt, params, base, records, consume=consume)
     return model, opt
+
+
+def _cloned(rec: StepRecord) -> StepRecord:
+    grads = {n: g.clone() for n, g in rec.grads.items()}
+    return StepRecord(rec.step, grads, copy.deepcopy(rec.groups), dict(rec.scaler))
 
 
 def _assert_same(run_model: Net, run_opt: torch.optim.Optimizer, copies: dict, model: Net, opt):
@@ -267,6 +278,60 @@ def test_replay_from_rotating_copies_is_bit_exact(case: str, device: str) -> Non
     model, opt = _rebuild(run, factory, N_STEPS)
     for (n, p), q in zip(model.named_parameters(), run.model.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_consuming_its_records_is_bit_exact(case: str) -> None:
+    """``consume=True`` (the restore's records: payload views read for it alone) hands
+    the recorded grads to the optimizer as they are: the same bits at every version."""
+    factory = CASES[case]
+    run = Run(factory, 0 if case in LATE_FIRST_GRAD_BREAKS else 1)
+    for v in range(N_STEPS + 1):
+        model, opt = _rebuild(run, factory, v, consume=True)
+        _assert_same(run.model, run.opt, run.copies[v], model, opt)
+        assert _entries(opt) == run.entries[v]
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_consumed_records_are_the_grads_the_optimizer_steps_with() -> None:
+    """SGD's foreach Nesterov step adds the momentum into its grads in place: with
+    ``consume=True`` that lands in the records (they were the grads, no copy), without
+    it the records keep their bytes; the params end equal either way."""
+    factory = _sgd(momentum=0.9, nesterov=True, foreach=True)  # no weight decay: no copy first
+    run = Run(factory)
+    kept = [_cloned(r) for r in run.records]
+    for consume in (False, True):
+        records = [_cloned(r) for r in kept]
+        torch.manual_seed(0)
+        model = Net(1)
+        opt = factory(_groups(model))
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(run.copies[0][n][0])
+        replay(opt, params, dict.fromkeys(params, 0), records, consume=consume)
+        for n, p in params.items():
+            assert torch.equal(p, run.copies[N_STEPS][n][0]), (consume, n)
+        changed = [
+            n
+            for r, orig in zip(records, kept, strict=True)
+            for n, g in r.grads.items()
+            if not torch.equal(g, orig.grads[n])
+        ]
+        # the first step creates the momentum buffers: steps 1.. add them into the grads
+        assert bool(changed) == consume, (consume, changed)
+
+
+def test_only_a_plain_tensor_of_the_params_kind_is_taken_as_its_grad() -> None:
+    from baft.pipeline.replay import _usable_as_grad
+
+    p = torch.zeros(4, 3)
+    assert _usable_as_grad(torch.ones(4, 3), p)
+    assert _usable_as_grad(torch.ones(12)[:12].view(4, 3), p)
+    assert not _usable_as_grad(torch.ones(4, 3, dtype=torch.float64), p)
+    assert not _usable_as_grad(torch.ones(3, 4).t(), p)  # other strides
+    assert not _usable_as_grad(torch.ones(3, 4), p)
+    assert not _usable_as_grad(torch.ones(4, 3, device="meta"), p)
 
 
 @pytest.mark.parametrize("k", [2, 5, 7])
