@@ -77,6 +77,8 @@ def launch_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")  # torchrun: one line per failed worker
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # in-process recovery: the reference app's modules come with the forkserver's imports
+    env.setdefault("BAFT_INPROCESS_PRELOAD", "baft.train.worker")
     return env
 
 
