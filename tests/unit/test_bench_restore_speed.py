@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
-from restore_speed import summarize
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from restore_speed import summarize  # noqa: E402 - a script under benchmarks/
 
 
 def _rank(memory: list[float], disk: list[float], *, identical: bool = True) -> dict[str, Any]:
