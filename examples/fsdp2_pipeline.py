@@ -314,4 +314,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    baft.run(main)  # baft: under `-m baft.inprocess`, survivors re-enter main() after a failure

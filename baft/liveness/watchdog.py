@@ -83,10 +83,10 @@ MAX_WATCH_ALL = 64
 _log = logging.getLogger("baft")
 
 
-def attempt_id() -> int:
-    """This process's attempt: torchrun's restart count, times 1000, plus the in-process
-    generation (each generation is a new attempt for hang records and recovery reports)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) * 1000 + channel.generation()
+def attempt_key() -> tuple[int, int]:
+    """This process's attempt, in order: (torchrun's restart count, the in-process
+    generation it runs in). Hang records and recovery reports carry both."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), channel.generation()
 
 
 def beat_period(timeout_s: float) -> float:
@@ -304,7 +304,7 @@ class Watchdog:
             host=host,
             port=int(port),
             store_rank=None if agent_store else 0,
-            attempt=attempt_id(),
+            attempt=attempt_key()[0],
             exit_process=channel.current() is None,
         )
 
@@ -532,6 +532,7 @@ class Watchdog:
             self.run_dir,
             {
                 "attempt": self.attempt,
+                "generation": channel.generation(),
                 "detected_by": self.rank,
                 "detected_at": now_wall,
                 "last_seen_at": last_seen,

@@ -90,15 +90,20 @@ def progress_seen(run_dir: Path) -> int:
     return newest + 1
 
 
-def unattributed_hangs(run_dir: Path, attempt: int) -> list[dict[str, Any]]:
+def _key(h: dict[str, Any]) -> tuple[int, int]:
+    return int(h["attempt"]), int(h.get("generation", 0))
+
+
+def unattributed_hangs(run_dir: Path, attempt: tuple[int, int]) -> list[dict[str, Any]]:
     """The hang records that ended an earlier attempt since the last recovery resumed.
 
     Not only the previous attempt's: on a loaded machine the first restart after a hang
     can itself fail (a restore wait timing out while the frozen process is still being
     torn down), and the attempt that finally recovers must still say who hung. Records
-    from before the last recovery belong to that recovery.
+    from before the last recovery belong to that recovery. ``attempt``: (torchrun's
+    restart count, the in-process generation), compared in that order.
     """
-    if attempt <= 0:
+    if attempt <= (0, 0):
         return []
     since = 0.0
     try:
@@ -110,15 +115,17 @@ def unattributed_hangs(run_dir: Path, attempt: int) -> list[dict[str, Any]]:
     hangs = [
         h
         for h in read_hangs(run_dir)
-        if int(h.get("attempt", attempt)) < attempt and float(h["detected_at"]) > since
+        if "attempt" in h and _key(h) < attempt and float(h["detected_at"]) > since
     ]
     if not hangs:
         return []
-    first_attempt = min(int(h["attempt"]) for h in hangs)
-    return [h for h in hangs if int(h["attempt"]) == first_attempt]
+    first = min(_key(h) for h in hangs)
+    return [h for h in hangs if _key(h) == first]
 
 
-def report_hang(report: RecoveryReport, run_dir: Path, attempt: int, t_launch: float) -> None:
+def report_hang(
+    report: RecoveryReport, run_dir: Path, attempt: tuple[int, int], t_launch: float
+) -> None:
     """If a watchdog ended the previous attempt: who hung, and detection apart from restart.
 
     ``detect`` runs from the suspect's last heartbeat (the freeze, to within one beat

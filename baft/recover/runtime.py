@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baft.liveness import channel
-from baft.liveness.watchdog import attempt_id
+from baft.liveness.watchdog import attempt_key
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.identity import check_identity, layout_key, shard_records
 from baft.recover.inventory import HostStores, agree, reclaim_stores
@@ -76,14 +76,18 @@ def recover_and_start(
     Returns the iteration to resume from and the recovery's report (None on a fresh
     job). Collective: every rank calls it once, right after building its engine.
     """
-    attempt = attempt_id()
+    attempt, generation = attempt_key()
     agreed = _inventory_and_agree(engine)
     plan = agreed.plan
     never_silently_fresh(
         plan, agreed.reason, agreed.located, run_dir, engine.allow_fresh_start, engine.rank,
         began_by=engine.first_checkpoint_by,
     )  # fmt: skip
-    if plan.source == "fresh" and attempt == 0 and not agreed.located.holds_shards():
+    if (
+        plan.source == "fresh"
+        and (attempt, generation) == (0, 0)
+        and not agreed.located.holds_shards()
+    ):
         engine.start(0)
         return 0, None
     report = RecoveryReport(run_dir, attempt)
@@ -246,7 +250,7 @@ def _fill_report(
             report.phase(name, seconds)
     elif fault_times:
         report.phase("detect_restart", t_launch - max(fault_times))
-    report_hang(report, run_dir, report.record["attempt"], t_launch)
+    report_hang(report, run_dir, attempt_key(), t_launch)
     if t_rdzv > t_launch:
         report.phase("rendezvous", t_rdzv - t_launch)
     for name in ("inventory", "transfer_decode", "load"):

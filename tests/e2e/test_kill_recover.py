@@ -246,7 +246,9 @@ def test_rs_code_rebuilds_two_lost_nodes_at_once(
     )
     assert_same_training(failed, reference, 12)
     (r,) = failed["summary"]["recoveries"]
-    assert r["attempt"] == 2, r  # the first restore was cut short by node 2's loss
+    # the in-process recovery from node 1's loss was cut short by node 2's (a failure during
+    # a recovery): the supervisors gave up and torchrun's group restart (attempt 1) restored
+    assert (r["attempt"], r.get("inprocess")) == (1, None), r
     assert r["source"] == "memory" and r["restored_version"] in (5, 6), r
     assert r["sources"] == {"0": "local", "1": "parity", "2": "parity", "3": "local"}, r
     assert r["lost_iterations"] == 6 - r["restored_version"]

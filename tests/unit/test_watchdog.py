@@ -280,11 +280,17 @@ def test_recovery_attributes_the_hang_that_began_its_chain(tmp_path: Path) -> No
     (tmp_path / "recoveries.jsonl").write_text(json.dumps({"resumed_at": 120.0}) + "\n")
     hang(1, 200.0, 0)  # attempt 1's hang: its restart (attempt 2) failed before resuming
     hang(1, 201.0, 1)
-    assert unattributed_hangs(tmp_path, 0) == []
-    assert unattributed_hangs(tmp_path, 1) == []  # attempt 0's hang was reported already
-    got = unattributed_hangs(tmp_path, 3)
+    assert unattributed_hangs(tmp_path, (0, 0)) == []
+    assert unattributed_hangs(tmp_path, (1, 0)) == []  # attempt 0's hang was reported already
+    got = unattributed_hangs(tmp_path, (3, 0))
     assert [(h["attempt"], h["suspect"]) for h in got] == [(1, 0), (1, 1)]
-    assert [(h["attempt"], h["suspect"]) for h in unattributed_hangs(tmp_path, 2)] == [
+    assert [(h["attempt"], h["suspect"]) for h in unattributed_hangs(tmp_path, (2, 0))] == [
         (1, 0),
         (1, 1),
     ]
+    # in-process: generation 1 of attempt 1 reports the hang of its generation 0 (attempt 1)
+    assert [h["suspect"] for h in unattributed_hangs(tmp_path, (1, 1))] == [0, 1]
+    wdm.append_hang(tmp_path, {"attempt": 1, "generation": 1, "detected_at": 202.0,
+                               "last_seen_at": 195.0, "suspect": 3})  # fmt: skip
+    assert [h["suspect"] for h in unattributed_hangs(tmp_path, (1, 2))] == [0, 1]
+    assert [h["suspect"] for h in unattributed_hangs(tmp_path, (2, 0))] == [0, 1]
