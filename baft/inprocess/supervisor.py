@@ -102,6 +102,8 @@ class Supervisor:
         self._beat = 0
         self._beat_at = 0.0
         self._peer_seen: dict[int, tuple[bytes, float]] = {}
+        """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
+        self._done: set[int] = set()
 
     # ------------------------------------------------------------------ child
     def _generation(self, g: int) -> Generation:
@@ -256,12 +258,12 @@ class Supervisor:
         self._beat += 1
         self.control.beat(self._beat)
         for r, raw in self.control.beats().items():
-            if raw == b"done":
+            if raw == b"done":  # finished: never silent
                 self._peer_seen.pop(r, None)
-                self._peer_seen[r] = (raw, float("inf"))
-            elif self._peer_seen.get(r, (b"", 0.0))[0] != raw:
+                self._done.add(r)
+            elif r not in self._done and self._peer_seen.get(r, (b"", 0.0))[0] != raw:
                 self._peer_seen[r] = (raw, now)
-        last = {r: at for r, (_, at) in self._peer_seen.items() if at != float("inf")}
+        last = {r: at for r, (_, at) in self._peer_seen.items()}
         return silent_peers(now, last, self.options.peer_silence_s)
 
     def _stop(self, reason: str) -> int:

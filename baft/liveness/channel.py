@@ -125,6 +125,21 @@ class Channel:
                 gen.number, gen.cause, n, self.generation.number,
             )  # fmt: skip
             self._arrived.set()
+            self._keep_aborting()
+
+    def _keep_aborting(self) -> None:
+        """Until the main thread takes the new generation, a connection it opens for the
+        old one (a rendezvous it was entering) is shut down too, so it cannot wait there."""
+        while True:
+            with self._lock:  # enter() takes the lock: no shutdown after it returned
+                if self._pending is None:
+                    return
+                shutdown_tcp(self._keep)
+            try:
+                if self.conn.poll(0.05):  # a newer message: read it
+                    return
+            except (EOFError, OSError):
+                return
 
     def pending(self) -> Generation | None:
         with self._lock:

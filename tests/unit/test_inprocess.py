@@ -113,3 +113,28 @@ def test_channel_takes_a_generation_and_reports_up() -> None:
 @pytest.mark.parametrize("fault_at", [None])
 def test_no_phases_without_a_supervisor(fault_at: float | None) -> None:
     assert recovery_phases(fault_at, 1.0) == {} and channel.describe() == {}
+
+
+def test_a_connection_opened_before_entering_the_new_generation_is_shut_too() -> None:
+    """A rank still entering the old generation's rendezvous when the next one is announced
+    must not wait there: until ``enter()``, every new TCP connection is shut down."""
+    parent, child = multiprocessing.Pipe()
+    ch = Channel(child, Generation(0, 1), rank=0, on_lost=lambda: None)
+    try:
+        parent.send(("gen", 1, 2, "x", 1.0))
+        assert ch.wait_for_generation(5.0)
+        server, client, peer = _tcp_pair()  # opened after the abort, before enter()
+        client.settimeout(5.0)
+        assert client.recv(1) == b""  # shut down by the channel's reader
+        ch.enter()
+        time.sleep(0.2)
+        server2, client2, peer2 = _tcp_pair()  # the new generation's: left alone
+        peer2.sendall(b"y")
+        client2.settimeout(5.0)
+        assert client2.recv(1) == b"y"
+        for s in (server, client, peer, server2, client2, peer2):
+            s.close()
+    finally:
+        os.environ.pop(channel.GENERATION_ENV, None)
+        os.environ.pop("MASTER_PORT", None)
+        parent.close()
