@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from baft.engine.transport import Handle, Transport
+from baft.liveness.channel import check_aborted
 from baft.store.coding import GroupLayout, Region
 from baft.store.hashing import copy_hashing
 from baft.store.manifest import checksum
@@ -257,6 +258,7 @@ class RedundancyExchange:
                     f"rank {self.rank}: the store of same-host peer(s) {gone} was removed "
                     f"while v{self._version} was protected"
                 )
+            check_aborted()  # an in-process recovery began: no socket to shut here
             now = time.perf_counter()
             if now > deadline:
                 raise TimeoutError(

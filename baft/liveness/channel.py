@@ -166,6 +166,23 @@ class Channel:
         return gen
 
 
+class GenerationAborted(RuntimeError):
+    """The supervisors announced a new generation: a wait of the old one gives up."""
+
+
+def check_aborted() -> None:
+    """Raise :class:`GenerationAborted` when a new generation was announced to this
+    process: for baft's waits that are not on a socket (same-host shared memory polls),
+    which the abort's socket shutdown cannot interrupt. Cheap; a no-op without a
+    supervisor."""
+    ch = _current
+    if ch is not None and ch._pending is not None:
+        raise GenerationAborted(
+            f"generation {ch._pending.number} began ({ch._pending.cause}): this wait of "
+            f"generation {ch.generation.number} gives up"
+        )
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

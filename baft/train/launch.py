@@ -78,7 +78,9 @@ def launch_env() -> dict[str, str]:
     env.setdefault("LOGLEVEL", "ERROR")  # torchrun: one line per failed worker
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # in-process recovery: the reference app's modules come with the forkserver's imports
-    env.setdefault("BAFT_INPROCESS_PRELOAD", "baft.train.worker")
+    env.setdefault(
+        "BAFT_INPROCESS_PRELOAD", "baft.train.trainer"
+    )  # not the worker: runpy runs it as __main__
     return env
 
 

@@ -138,3 +138,23 @@ def test_a_connection_opened_before_entering_the_new_generation_is_shut_too() ->
         os.environ.pop(channel.GENERATION_ENV, None)
         os.environ.pop("MASTER_PORT", None)
         parent.close()
+
+
+def test_waits_off_sockets_give_up_once_a_generation_is_announced() -> None:
+    """A same-host shared-memory wait has no socket to shut down: it asks the channel."""
+    parent, child = multiprocessing.Pipe()
+    ch = Channel(child, Generation(0, 1), rank=0, on_lost=lambda: None)
+    channel.install(ch)
+    try:
+        channel.check_aborted()  # nothing announced: goes on
+        parent.send(("gen", 1, 2, "rank 1 died", 1.0))
+        assert ch.wait_for_generation(5.0)
+        with pytest.raises(channel.GenerationAborted, match="generation 1 began"):
+            channel.check_aborted()
+        ch.enter()
+        channel.check_aborted()  # in the new generation: goes on
+    finally:
+        channel.install(None)
+        os.environ.pop(channel.GENERATION_ENV, None)
+        os.environ.pop("MASTER_PORT", None)
+        parent.close()
