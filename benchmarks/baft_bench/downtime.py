@@ -56,12 +56,18 @@ def _job(a: Any, cfg_of: Any, name: str, kind: str, inprocess: bool) -> list[dic
         f = json.loads(line)
         if f["point"] != "recovery":
             fired[f["spec"]] = min(fired.get(f["spec"], f["time"]), f["time"])
-    times = sorted(fired.values())
-    if len(recs) != len(times):
-        raise RuntimeError(f"{name}: {len(times)} faults but {len(recs)} recoveries: {recs}")
-    for r, t in zip(recs, times, strict=True):
+    order = sorted(fired.items(), key=lambda kv: kv[1])  # the faults in the order they struck
+    if len(recs) != len(order):
+        raise RuntimeError(f"{name}: {len(order)} faults but {len(recs)} recoveries: {recs}")
+    for r, (spec, t) in zip(recs, order, strict=True):
+        r["fault"] = spec
         r["downtime_s"] = r["resumed_at"] - t
     return recs
+
+
+def _of(recs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The recoveries from faults of ``kind`` (``kill``, ``node``, ``freeze``)."""
+    return [r for r in recs if r["fault"].split(":", 1)[0] == kind]
 
 
 def _row(scenario: str, mode: str, recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,6 +85,7 @@ def _row(scenario: str, mode: str, recs: list[dict[str, Any]]) -> dict[str, Any]
         "downtime_min_s": min(down),
         "downtime_max_s": max(down),
         "downtime_s": down,
+        "faults": [r["fault"] for r in recs],
         "restore_median_s": statistics.median(restore),
         "lost_iterations": [r["lost_iterations"] for r in recs],
         "sources": sorted({r["source"] for r in recs}),
@@ -91,12 +98,11 @@ def downtime_rows(a: Any, cfg_of: Any) -> list[dict[str, Any]]:
     """Rank crash, node loss and (``--hang-timeout`` > 0) hang rows, in-process and group
     restart; ``cfg_of(a, out, inject)`` builds the recovery bench's job config."""
     rows: list[dict[str, Any]] = []
-    n = a.failures
     for mode, inprocess in MODES.items():
         tag = mode.replace(" ", "-")
         recs = _job(a, cfg_of, f"{tag}-crash-node", "crash", inprocess)
-        rows.append(_row("rank crash (SIGKILL)", mode, recs[:n]))
-        rows.append(_row("node loss (process + store)", mode, recs[n:]))
+        rows.append(_row("rank crash (SIGKILL)", mode, _of(recs, "kill")))
+        rows.append(_row("node loss (process + store)", mode, _of(recs, "node")))
         if a.hang_timeout > 0:
             recs = _job(a, cfg_of, f"{tag}-hang", "hang", inprocess)
             rows.append(_row(f"rank hang (SIGSTOP, timeout {a.hang_timeout:g} s)", mode, recs))
