@@ -120,6 +120,7 @@ class Channel:
                 self._pending = gen
             self.aborted_at = time.time()
             n = shutdown_tcp(self._keep)
+            _abort_nccl()
             log.info(
                 "baft: generation %d (%s): aborted this rank's %d connections of generation %d",
                 gen.number, gen.cause, n, self.generation.number,
@@ -164,6 +165,19 @@ class Channel:
         os.environ["MASTER_PORT"] = str(gen.port)
         os.environ[GENERATION_ENV] = str(gen.number)
         return gen
+
+
+def _abort_nccl() -> None:
+    """NCCL collectives do not wait on the sockets shut down above: abort the NCCL
+    communicators with torch's abort (as NVRx's in-process restart does). Jobs without
+    NCCL (gloo, CPU) skip it. Untested here: this machine has no GPU."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+            dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # noqa: BLE001 - best effort: the bounded waits remain
+        log.warning("baft: aborting the NCCL groups failed: %s", e)
 
 
 class GenerationAborted(RuntimeError):

@@ -1,7 +1,9 @@
 """``baft bench recovery``: the same state restored from memory (baft) and from disk (DCP).
 
-Two launches of the same job (pp=2 on 2 ranks, one rank per simulated node, xor:2, a
-DCP checkpoint every ``--persist-every`` committed versions):
+Launches of the same job (pp=2 on 2 ranks, one rank per simulated node, xor:2, a
+DCP checkpoint every ``--persist-every`` committed versions; ``baft train``'s default
+in-process recovery, see :mod:`baft_bench.downtime` for its comparison with the group
+restart):
 - ``memory``: a rank is SIGKILLed, later a node is lost (its rank and its store) — both
   restored from the in-memory stores (local shard; rebuilt from parity on the other node);
 - ``disk``: a power loss wipes every store — restored from the newest DCP checkpoint;
@@ -140,8 +142,8 @@ def _peer_rows(a: Any) -> list[dict[str, Any]]:
 
 def _hang_rows(a: Any, at: int) -> list[dict[str, Any]]:
     """A rank frozen with SIGSTOP (the ``freeze`` fault) at iteration ``at``: the watchdog
-    of its peer notices the silent heartbeat after ``--hang-timeout`` s, kills it and
-    leaves; torchrun restarts the group and it restores from memory. ``detect`` (freeze
+    of its peer notices the silent heartbeat after ``--hang-timeout`` s; its supervisor
+    replaces it, the peer recovers in-process, and it restores from memory. ``detect`` (freeze
     to the first rank that noticed) and ``restart`` replace the crash's ``detect_restart``."""
     if a.hang_timeout <= 0:
         return []
