@@ -28,7 +28,9 @@ object as of the end of ``optimizer.step()``: advance your own counters before t
 
 Launch the script with torchrun, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and
 ``--max-restarts N``: after a crash every process restarts and ``restore`` brings back
-the newest version it can rebuild, bit-identical to where the loop was.
+the newest version it can rebuild, bit-identical to where the loop was. With the loop in
+a function run through :func:`run` and ``torchrun ... -m baft.inprocess script.py``, only
+the failed process restarts: the others re-enter the function (:mod:`baft.inprocess`).
 
 This is the one door to the engine: the reference trainer (``baft train``) goes through
 it too. It wires restore -> engine once and keeps the run's one progress record.
