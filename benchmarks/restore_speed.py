@@ -44,29 +44,12 @@ RESULT = "restore_speed.result.json"
 
 
 def _cfg(a: argparse.Namespace, out: Path) -> Any:
-    """The recovery bench's job (see ``baft_bench.recovery._cfg``), stores kept at the end."""
-    from baft.config import CheckpointConfig, StoreConfig, TimeoutConfig
-    from baft.model.config import ModelConfig
-    from baft.plan.types import CheckpointPolicy
-    from baft.train.config import ParallelConfig, TrainConfig
+    """The recovery bench's job (``baft_bench.recovery._cfg``), stores kept at the end."""
+    from baft_bench.recovery import _cfg as recovery_cfg
 
-    return TrainConfig(
-        model=ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=8, seq_len=32),
-        parallel=ParallelConfig(
-            num_dp=1, num_pp=2, schedule="1f1b", num_microbatches=4, ranks_per_node=1
-        ),
-        num_iterations=a.iterations,
-        global_batch=4,
-        out_dir=str(out),
-        checkpoint=CheckpointConfig(
-            policy=CheckpointPolicy.parse(
-                f"redundancy=xor:2,persist={a.persist_every},keep=2,full_every={a.full_every}"
-            ),
-            profile_iters=2,
-            timeouts=TimeoutConfig(collective_s=60.0),
-            store=StoreConfig(keep_on_close=True),
-        ),
-    )
+    cfg = recovery_cfg(a, out, [])
+    cfg.checkpoint.store.keep_on_close = True
+    return cfg
 
 
 # ---------------------------------------------------------------- the ranks' side

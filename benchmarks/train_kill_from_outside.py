@@ -23,29 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def _tree(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, out = [root], []
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out[1:]
+from baft.train.launch import _alive, _descendants
 
 
 def trainers(root: int) -> dict[int, int]:
     """Rank -> pid of the training processes under ``root``: ``baft-rankR`` (in-process)
     or ``python -m baft.train.worker`` (group restart)."""
     out: dict[int, int] = {}
-    for pid in _tree(root):
+    for pid in _descendants(root):
+        if not _alive(pid):  # a zombie still has its name
+            continue
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()

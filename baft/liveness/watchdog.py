@@ -408,13 +408,17 @@ class Watchdog:
         while self._seq < seq + 2 and time.monotonic() < deadline and self._threads:
             self._wake.set()
             time.sleep(self.beat_s / 20)
+        self._end_threads(join_s=2 * self.beat_s + 2.0)
+
+    def _end_threads(self, join_s: float) -> None:
+        """Stop and join the threads; give the excepthook and the witness back."""
         self._stop.set()
         self._wake.set()
         set_witness(None)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._chained_hook
         for t in self._threads:
-            t.join(timeout=2 * self.beat_s + 2.0)
+            t.join(timeout=join_s)
         self._threads = []
 
     # ------------------------------------------------------------------ threads
@@ -554,14 +558,7 @@ class Watchdog:
     def abandon(self) -> None:
         """The generation is over (an in-process recovery): stop at once, no last beat."""
         self._done = True
-        self._stop.set()
-        self._wake.set()
-        set_witness(None)
-        if sys.excepthook == self._excepthook:
-            sys.excepthook = self._chained_hook
-        for t in self._threads:
-            t.join(timeout=0.5)
-        self._threads = []
+        self._end_threads(join_s=0.5)
 
     def _leave(self) -> None:
         if not self.exit_process:  # in-process recovery: the supervisors act on the verdict

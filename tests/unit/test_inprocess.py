@@ -8,6 +8,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,20 @@ from baft.inprocess.policy import Ledger, must_replace, silent_peers
 from baft.liveness import channel
 from baft.liveness.channel import Channel, Generation, recovery_phases
 from baft.liveness.sockets import shutdown_tcp, tcp_inodes
+
+
+@pytest.fixture
+def piped(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Channel]]:
+    """A channel installed as this process's, and the supervisor's end of its pipe; the
+    environment it sets on ``enter()`` is put back afterwards."""
+    monkeypatch.setenv(channel.GENERATION_ENV, "0")  # restored (or removed) at the end
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    parent, child = multiprocessing.Pipe()
+    ch = Channel(child, Generation(0, 1234), rank=2, on_lost=lambda: None)
+    channel.install(ch)
+    yield parent, ch
+    channel.install(None)
+    parent.close()
 
 
 def test_ledger_gives_up_on_a_failure_during_a_recovery() -> None:
@@ -83,31 +99,23 @@ def test_shutdown_tcp_unblocks_a_reader_and_spares_the_snapshot() -> None:
         s.close()
 
 
-def test_channel_takes_a_generation_and_reports_up() -> None:
-    parent, child = multiprocessing.Pipe()
-    ch = Channel(child, Generation(0, 1234), rank=2, on_lost=lambda: None)
-    channel.install(ch)
-    try:
-        ch.progress()
-        ch.progress()  # once per generation
-        ch.failed("boom")
-        ch.suspect([3, 1], "silent")
-        assert [parent.recv() for _ in range(3)] == [
-            ("progress", 0), ("failed", 0, "boom"), ("suspect", 0, [1, 3], "silent"),
-        ]  # fmt: skip
-        assert not parent.poll(0.05)
-        parent.send(("gen", 1, 5678, "rank 1 died", 100.0))
-        assert ch.wait_for_generation(5.0)
-        gen = ch.enter()
-        assert gen == Generation(1, 5678, "rank 1 died", 100.0)
-        assert os.environ["MASTER_PORT"] == "5678" and channel.generation() == 1
-        assert channel.describe() == {"generation": 1, "cause": "rank 1 died", "replacement": False}
-        assert recovery_phases(99.5, t_launch=100.25) == {"detect": 0.5, "abort": 0.25}
-    finally:
-        channel.install(None)
-        os.environ.pop(channel.GENERATION_ENV, None)
-        os.environ.pop("MASTER_PORT", None)
-        parent.close()
+def test_channel_takes_a_generation_and_reports_up(piped: tuple[Any, Channel]) -> None:
+    parent, ch = piped
+    ch.progress()
+    ch.progress()  # once per generation
+    ch.failed("boom")
+    ch.suspect([3, 1], "silent")
+    assert [parent.recv() for _ in range(3)] == [
+        ("progress", 0), ("failed", 0, "boom"), ("suspect", 0, [1, 3], "silent"),
+    ]  # fmt: skip
+    assert not parent.poll(0.05)
+    parent.send(("gen", 1, 5678, "rank 1 died", 100.0))
+    assert ch.wait_for_generation(5.0)
+    gen = ch.enter()
+    assert gen == Generation(1, 5678, "rank 1 died", 100.0)
+    assert os.environ["MASTER_PORT"] == "5678" and channel.generation() == 1
+    assert channel.describe() == {"generation": 1, "cause": "rank 1 died", "replacement": False}
+    assert recovery_phases(99.5, t_launch=100.25) == {"detect": 0.5, "abort": 0.25}
 
 
 @pytest.mark.parametrize("fault_at", [None])
@@ -115,46 +123,36 @@ def test_no_phases_without_a_supervisor(fault_at: float | None) -> None:
     assert recovery_phases(fault_at, 1.0) == {} and channel.describe() == {}
 
 
-def test_a_connection_opened_before_entering_the_new_generation_is_shut_too() -> None:
+def test_a_connection_opened_before_entering_the_new_generation_is_shut_too(
+    piped: tuple[Any, Channel],
+) -> None:
     """A rank still entering the old generation's rendezvous when the next one is announced
     must not wait there: until ``enter()``, every new TCP connection is shut down."""
-    parent, child = multiprocessing.Pipe()
-    ch = Channel(child, Generation(0, 1), rank=0, on_lost=lambda: None)
-    try:
-        parent.send(("gen", 1, 2, "x", 1.0))
-        assert ch.wait_for_generation(5.0)
-        server, client, peer = _tcp_pair()  # opened after the abort, before enter()
-        client.settimeout(5.0)
-        assert client.recv(1) == b""  # shut down by the channel's reader
-        ch.enter()
-        time.sleep(0.2)
-        server2, client2, peer2 = _tcp_pair()  # the new generation's: left alone
-        peer2.sendall(b"y")
-        client2.settimeout(5.0)
-        assert client2.recv(1) == b"y"
-        for s in (server, client, peer, server2, client2, peer2):
-            s.close()
-    finally:
-        os.environ.pop(channel.GENERATION_ENV, None)
-        os.environ.pop("MASTER_PORT", None)
-        parent.close()
+    parent, ch = piped
+    parent.send(("gen", 1, 2, "x", 1.0))
+    assert ch.wait_for_generation(5.0)
+    server, client, peer = _tcp_pair()  # opened after the abort, before enter()
+    client.settimeout(5.0)
+    assert client.recv(1) == b""  # shut down by the channel's reader
+    ch.enter()
+    time.sleep(0.2)
+    server2, client2, peer2 = _tcp_pair()  # the new generation's: left alone
+    peer2.sendall(b"y")
+    client2.settimeout(5.0)
+    assert client2.recv(1) == b"y"
+    for s in (server, client, peer, server2, client2, peer2):
+        s.close()
 
 
-def test_waits_off_sockets_give_up_once_a_generation_is_announced() -> None:
+def test_waits_off_sockets_give_up_once_a_generation_is_announced(
+    piped: tuple[Any, Channel],
+) -> None:
     """A same-host shared-memory wait has no socket to shut down: it asks the channel."""
-    parent, child = multiprocessing.Pipe()
-    ch = Channel(child, Generation(0, 1), rank=0, on_lost=lambda: None)
-    channel.install(ch)
-    try:
-        channel.check_aborted()  # nothing announced: goes on
-        parent.send(("gen", 1, 2, "rank 1 died", 1.0))
-        assert ch.wait_for_generation(5.0)
-        with pytest.raises(channel.GenerationAborted, match="generation 1 began"):
-            channel.check_aborted()
-        ch.enter()
-        channel.check_aborted()  # in the new generation: goes on
-    finally:
-        channel.install(None)
-        os.environ.pop(channel.GENERATION_ENV, None)
-        os.environ.pop("MASTER_PORT", None)
-        parent.close()
+    parent, ch = piped
+    channel.check_aborted()  # nothing announced: goes on
+    parent.send(("gen", 1, 2, "rank 1 died", 1.0))
+    assert ch.wait_for_generation(5.0)
+    with pytest.raises(channel.GenerationAborted, match="generation 1 began"):
+        channel.check_aborted()
+    ch.enter()
+    channel.check_aborted()  # in the new generation: goes on
