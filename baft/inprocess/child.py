@@ -32,9 +32,6 @@ class Target:
     module: bool
     args: tuple[str, ...]
 
-    def argv0(self) -> str:
-        return self.path
-
 
 def _prctl(option: int, arg: Any) -> None:
     try:
@@ -44,17 +41,16 @@ def _prctl(option: int, arg: Any) -> None:
         pass
 
 
-def child_main(target: Target, conn: Any, generation: Generation, env: dict[str, str]) -> None:
+def child_main(target: Target, conn: Any, generation: Generation) -> None:
     """Entry of a training process (in the forkserver's child)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it, not us
     rank = int(os.environ.get("RANK", "0"))
     _prctl(_PR_SET_NAME, ctypes.c_char_p(f"baft-rank{rank}".encode()[:15]))
-    os.environ.update(env)
     os.environ["MASTER_PORT"] = str(generation.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ[GENERATION_ENV] = str(generation.number)
     install(Channel(conn, generation, rank))
-    sys.argv = [target.argv0(), *target.args]
+    sys.argv = [target.path, *target.args]
     if target.module:
         runpy.run_module(target.path, run_name="__main__", alter_sys=True)
     else:

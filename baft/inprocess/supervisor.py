@@ -121,9 +121,8 @@ class Supervisor:
     def _spawn(self, g: int) -> None:
         gen = self._generation(g)
         parent, child = self.ctx.Pipe()
-        env = {"BAFT_INPROCESS": "1"}
         self.child = self.ctx.Process(
-            target=child_main, args=(self.target, child, gen, env), name=f"baft-rank{self.rank}"
+            target=child_main, args=(self.target, child, gen), name=f"baft-rank{self.rank}"
         )
         self.child.start()
         child.close()

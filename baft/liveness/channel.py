@@ -71,8 +71,6 @@ class Channel:
         """The generation this process started in (> 0: it replaced a failed one)."""
         self.entered_at = time.time()
         """Wall time this process (re-)entered the training function."""
-        self.aborted_at = 0.0
-        """Wall time the reader aborted the old generation's sockets (0: not yet)."""
         self._keep = tcp_inodes()
         self._lock = threading.Lock()
         self._pending: Generation | None = None
@@ -118,7 +116,6 @@ class Channel:
                 if gen.number <= self.generation.number:
                     continue
                 self._pending = gen
-            self.aborted_at = time.time()
             n = shutdown_tcp(self._keep)
             _abort_nccl()
             log.info(
