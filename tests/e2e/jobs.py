@@ -2,10 +2,14 @@
 
 One agent (``--standalone``, two declared nodes by ``ranks_per_node``) or two agents (one
 per declared node, c10d rendezvous on a store this process hosts, own store roots, with or
-without ``BAFT_HOST_ID``). Faults come from outside the job: signals to worker processes
-found by their ``RANK`` under the agents, store directories removed, agents killed and
-the same commands launched again. :func:`run_case` returns the failures it found, each
-with the commands that reproduce it.
+without ``BAFT_HOST_ID``), each running the case's entry under its ``launch``: ``-m
+baft.inprocess`` before it (a supervisor per rank, holding the training process it forks,
+named ``baft-rankR``) or the entry itself (torchrun's group restart). Faults come from
+outside the job, where a user's would: signals to the training processes (the workers
+found by their ``RANK`` under the agents, or the supervisors' ``baft-rankR`` children),
+a node's every process killed and its store directory removed, agents killed and the same
+commands launched again. :func:`run_case` returns the failures it found, each with the
+commands that reproduce it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,16 @@ ITERATIONS = 16
 TIMEOUT_S = 10.0
 """Watchdog and collective timeout of every protected job (a hang is detected after it)."""
 MAX_RESTARTS = 4
-ADDRS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5", "e": "127.0.0.6"}
+ADDRS = {name: f"127.0.0.{i}" for i, name in enumerate("abcdefgh", start=2)}
+"""Agents' addresses: a and b start a two-agent job, the rest replace lost hosts."""
+MARK = "BAFT_MX_JOB"
+"""Environment variable naming the job in every process it starts (to reap stray ones)."""
+
+
+def entry(case: Case) -> list[str]:
+    """What comes before the app's entry in the torchrun command: the supervisor
+    (``-m baft.inprocess``) or nothing (group restart)."""
+    return ["-m", "baft.inprocess"] if case.launch == "inprocess" else []
 
 
 def microbatches(case: Case) -> int:
@@ -146,21 +159,61 @@ def descendants(pid: int) -> list[int]:
     return found[1:]
 
 
+def _environ(pid: int) -> list[bytes] | None:
+    """A live process's environment (None: gone, a zombie or not readable)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    return None if state == "Z" else env
+
+
+def rank_pids(agent: subprocess.Popen) -> dict[int, list[int]]:
+    """Rank -> every live process under ``agent`` started with that ``RANK`` (a worker
+    and what it started: under ``baft.inprocess`` the supervisor, its forkserver and
+    the training process)."""
+    out: dict[int, list[int]] = {}
+    for pid in descendants(agent.pid):
+        for var in _environ(pid) or []:
+            if var.startswith(b"RANK="):
+                out.setdefault(int(var[5:]), []).append(pid)
+    return out
+
+
 def worker_pids(agent: subprocess.Popen) -> dict[int, int]:
     """Rank -> pid of the live workers under ``agent``."""
-    out: dict[int, int] = {}
-    for pid in descendants(agent.pid):
+    return {r: pids[-1] for r, pids in rank_pids(agent).items()}
+
+
+def training_pids(root: int) -> dict[int, int]:
+    """Rank -> pid of the live training processes under ``root`` that ``baft.inprocess``
+    supervisors forked (named ``baft-rankR``; not their own children, which inherit the
+    name)."""
+    named: dict[int, tuple[int, int]] = {}
+    for pid in descendants(root):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if state == "Z":
-            continue
-        for var in env:
-            if var.startswith(b"RANK="):
-                out[int(var[5:])] = pid
-    return out
+        if comm.startswith("baft-rank") and stat[0] != "Z":
+            named[pid] = (int(comm[len("baft-rank") :]), int(stat[1]))
+    return {rank: pid for pid, (rank, ppid) in named.items() if ppid not in named}
+
+
+def reap(mark: str) -> list[int]:
+    """SIGKILL every process whose environment has ``MARK=mark`` (what a job left behind
+    when its agents were gone: a supervisor's orphaned forkserver or training process)."""
+    needle = f"{MARK}={mark}".encode()
+    doomed = [
+        int(p.name)
+        for p in Path("/proc").glob("[0-9]*")
+        if int(p.name) != os.getpid() and needle in (_environ(int(p.name)) or [])
+    ]
+    signal_all(doomed, signal.SIGSTOP)
+    signal_all(doomed, signal.SIGKILL)
+    return doomed
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -208,10 +261,21 @@ class Job:
     iterations: int = ITERATIONS
     max_restarts: int = MAX_RESTARTS
     log: list[str] = field(default_factory=list)
+    before: dict[int, int] = field(default_factory=dict)
+    """The training processes (rank -> pid) just before the fault."""
+    victims: list[int] = field(default_factory=list)
+    """The ranks whose training process the fault killed or stopped."""
+    seen: dict[int, set[int]] = field(default_factory=dict)
+    """Rank -> every training process seen from the fault to the job's end (:meth:`wait`
+    with ``watch``)."""
 
     @property
     def job_id(self) -> str:
         return f"mx-{self.case.seed:08x}"
+
+    @property
+    def inprocess(self) -> bool:
+        return self.case.launch == "inprocess"
 
     def command(self, host: str, port: int | None) -> list[str]:
         c, out = self.case, self.out
@@ -225,8 +289,8 @@ class Job:
             cfg.validate()
             path = out / f"config-{host}.json"
             path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            return [*head, "-m", "baft.train.worker", str(path)]
-        return [*head, *user_args(c, out, store, self.job_id)]
+            return [*head, *entry(c), "-m", "baft.train.worker", str(path)]
+        return [*head, *entry(c), *user_args(c, out, store, self.job_id)]
 
     def start(self, hosts: list[str]) -> None:
         port = None
@@ -248,6 +312,7 @@ class Job:
         (self.root / host).mkdir(parents=True, exist_ok=True)
         cmd = self.command(host, port)
         env = dict(self.env)
+        env[MARK] = self.root.name
         if self.case.hosts == "hostid":
             env["BAFT_HOST_ID"] = f"mx-{host}"
         self.commands[f"{host}#{self.launches}"] = cmd
@@ -259,8 +324,16 @@ class Job:
                 cwd=REPO,
             )  # fmt: skip
 
-    def wait(self, timeout_s: float) -> dict[str, int | None]:
+    def wait(self, timeout_s: float, watch: bool = False) -> dict[str, int | None]:
+        """The agents' exit codes (None: killed after ``timeout_s``). ``watch``: meanwhile
+        note every training process seen (:attr:`seen`), every 0.1 s."""
         deadline = time.monotonic() + timeout_s
+        while watch and time.monotonic() < deadline:
+            if all(a.poll() is not None for a in self.agents.values()):
+                break
+            for rank, pid in self.workers().items():
+                self.seen.setdefault(rank, set()).add(pid)
+            time.sleep(0.1)
         rcs: dict[str, int | None] = {}
         for host, agent in self.agents.items():
             try:
@@ -273,10 +346,30 @@ class Job:
         return rcs
 
     def workers(self) -> dict[int, int]:
+        """Rank -> pid of each live training process: torchrun's workers, or under
+        ``inprocess`` the processes the supervisors forked."""
         out: dict[int, int] = {}
         for agent in self.agents.values():
-            out.update(worker_pids(agent))
+            out.update(training_pids(agent.pid) if self.inprocess else worker_pids(agent))
         return out
+
+    def commands_hosts(self) -> set[str]:
+        """Every host name an agent was started as (a lost host's name is not reused)."""
+        return {key.split("#")[0] for key in self.commands}
+
+    def host_of(self, rank: int) -> str:
+        """The agent whose processes run ``rank`` now."""
+        for host, agent in self.agents.items():
+            if rank in rank_pids(agent):
+                return host
+        raise RuntimeError(f"no agent runs rank {rank}")
+
+    def lose_host(self, lost: str, new: str) -> None:
+        """``lost`` dies (its agent and every process under it, its store wiped) and a
+        replacement agent ``new`` joins with the same command."""
+        kill_agent(self.agents.pop(lost))
+        shutil.rmtree(self.root / lost, ignore_errors=True)
+        self.spawn(new, self.port)
 
     def tail(self, chars: int = 3000) -> str:
         """The agents' output and the end of every worker log that has a traceback."""
@@ -320,7 +413,14 @@ def inject(job: Job, rng: random.Random, stopped: list[int]) -> str:
     rebuildable from memory only once the first rotation is a whole window old, 2
     profiled + 8 iterations; before that a restore falls back to DCP or starts over by
     design); returns what it did (a stopped worker's pid is added to ``stopped``, for the
-    caller to clean up)."""
+    caller to clean up).
+
+    kill and hang hit a training process (under ``inprocess`` the supervisor's child,
+    not the supervisor). node and node0 lose the declared node without rank 0 or rank
+    0's: every process of its ranks (supervisors, forkservers, training processes) with
+    one agent, which survives; with two agents the host running that rank, agent
+    included, whose replacement joins with the same command. Either way its store is
+    wiped."""
     c = job.case
     at = rng.randint(7, 10) if c.full_every == "1" else rng.randint(10, 12)
     wait_for(job, at)
@@ -328,22 +428,31 @@ def inject(job: Job, rng: random.Random, stopped: list[int]) -> str:
     workers = job.workers()
     victim = rng.randrange(c.world)
     if c.fault in ("kill", "hang"):
+        if victim not in workers:
+            raise RuntimeError(f"no training process of rank {victim} found: {workers}")
+        job.before, job.victims = workers, [victim]
         sig = signal.SIGKILL if c.fault == "kill" else signal.SIGSTOP
         signal_all([workers[victim]], sig)
         stopped.append(workers[victim])
         return f"{c.fault} rank {victim} (pid {workers[victim]}) after iteration {at}"
-    if c.fault == "node":
-        if c.hosts == "one":  # ranks of declared node 1 stop, lose their memory, die
-            ranks = range(c.world // 2, c.world)
-            pids = [workers[r] for r in ranks if r in workers]
+    if c.fault in ("node", "node0"):
+        node = 0 if c.fault == "node0" else 1
+        if c.hosts == "one":  # the node's ranks stop, lose their memory, die
+            ranks = range(node * c.world // 2, (node + 1) * c.world // 2)
+            procs = rank_pids(job.agents["a"])
+            pids = [p for r in ranks for p in procs.get(r, [])]
             signal_all(pids, signal.SIGSTOP)
-            shutil.rmtree(job.root / "a" / job.job_id / "node1", ignore_errors=True)
+            shutil.rmtree(job.root / "a" / job.job_id / f"node{node}", ignore_errors=True)
             signal_all(pids, signal.SIGKILL)
-            return f"node 1 (ranks {list(ranks)}) lost after iteration {at}"
-        kill_agent(job.agents.pop("b"))
-        shutil.rmtree(job.root / "b", ignore_errors=True)
-        job.spawn("c", job.port)
-        return f"host b lost (agent and workers killed, store wiped), replacement c joined after iteration {at}"
+            return f"node {node} (ranks {list(ranks)}: pids {pids}) lost after iteration {at}"
+        rank0 = job.host_of(0)
+        lost = rank0 if node == 0 else next(h for h in sorted(job.agents) if h != rank0)
+        new = next(h for h in ADDRS if h not in job.agents and h not in job.commands_hosts())
+        job.lose_host(lost, new)
+        return (
+            f"host {lost} ({'rank 0' if node == 0 else 'not rank 0'}) lost (agent and every "
+            f"process under it killed, store wiped), replacement {new} joined after iteration {at}"
+        )
     hosts = sorted(job.agents)
     if c.fault == "power":
         for agent in job.agents.values():
@@ -434,12 +543,16 @@ def check(case: Case, job: Job, rcs: dict[str, int | None], ref: dict[str, Any])
     problems += check_training(case, job, ref, ITERATIONS)
     if not recs:
         problems.append("no recovery was recorded")
-    if case.fault in ("kill", "node", "hang"):
+    if case.fault in ("kill", "node", "node0", "hang"):
         if any(s != "memory" for s in sources):
             problems.append(
                 "recoveries not all from memory: "
                 f"{[(r.get('source'), r.get('reason')) for r in recs]}"
             )
+        if job.inprocess:
+            problems += check_inprocess(case, job, recs)
+        if case.fault in ("kill", "hang"):
+            problems += check_suspects(job, set(job.victims))
     elif recs and recs[-1].get("source") != "disk":
         problems.append(
             f"the relaunch restored from {recs[-1].get('source')}, not DCP: "
@@ -448,6 +561,51 @@ def check(case: Case, job: Job, rcs: dict[str, int | None], ref: dict[str, Any])
     elif case.fault == "sigterm" and recs and recs[-1].get("lost_iterations") != 0:
         problems.append(f"the SIGTERM flush lost iterations: {recs[-1]}")
     return problems
+
+
+def generation(rec: dict[str, Any]) -> int:
+    """The in-process generation a recovery record names (0: not an in-process one)."""
+    return int((rec.get("inprocess") or {}).get("generation", 0))
+
+
+def check_inprocess(case: Case, job: Job, recs: list[dict[str, Any]]) -> list[str]:
+    """Under ``baft.inprocess``: a killed or frozen training process is replaced in
+    place (every record in-process, no group restart) while the survivors keep their
+    processes; a lost node may also fall back to torchrun's group restart."""
+    problems: list[str] = []
+    how = [(r.get("attempt"), r.get("inprocess")) for r in recs]
+    if case.fault in ("kill", "hang"):
+        if any(generation(r) < 1 or r.get("attempt") != 0 for r in recs):
+            problems.append(f"not recovered in-process: (attempt, inprocess) {how}")
+        moved = {
+            r: sorted(job.seen.get(r, set()))
+            for r, pid in job.before.items()
+            if r not in job.victims and job.seen.get(r, set()) - {pid}
+        }
+        if moved:
+            problems.append(
+                f"survivors did not keep their processes: before {job.before}, seen {moved}"
+            )
+        if any(not job.seen.get(v, set()) - {job.before[v]} for v in job.victims):
+            problems.append(
+                f"no replacement seen for ranks {job.victims}: before {job.before}, seen {job.seen}"
+            )
+    elif any(generation(r) < 1 and int(r.get("attempt", 0)) < 1 for r in recs):
+        problems.append(f"neither in-process nor a group restart: (attempt, inprocess) {how}")
+    return problems
+
+
+def check_suspects(job: Job, hit: set[int]) -> list[str]:
+    """The watchdogs' hang records name only ranks in ``hit`` (a hang is attributed to the
+    rank that froze, never to a healthy one)."""
+    hangs = read_jsonl(job.out / "hangs.jsonl")
+    wrong = [h for h in hangs if h.get("suspect") is not None and h["suspect"] not in hit]
+    return [
+        f"a watchdog named rank {h['suspect']} (the fault hit {sorted(hit)}): rank "
+        f"{h.get('detected_by')} attempt {h.get('attempt')} generation {h.get('generation')}: "
+        f"{h.get('reason')}"
+        for h in wrong
+    ]
 
 
 def check_training(case: Case, job: Job, ref: dict[str, Any], iterations: int) -> list[str]:
@@ -494,13 +652,13 @@ def run_case(case: Case, tmp: Path, ref: dict[str, Any]) -> tuple[list[str], str
         except RuntimeError as e:
             rcs = job.wait(1)
             return [f"fault not delivered: {e} (agents {rcs})\n{job.tail()}"], did
-        rcs = job.wait(360)
+        rcs = job.wait(360, watch=job.inprocess and case.fault in ("kill", "hang"))
         problems = check(case, job, rcs, ref)
         if problems:
             recs = read_jsonl(job.out / "recoveries.jsonl")
             problems += [
-                f"recovery: {r.get('source')} v{r.get('restored_version')} {r.get('sources')}: "
-                f"{r.get('reason')}"
+                f"recovery: {r.get('source')} v{r.get('restored_version')} {r.get('sources')} "
+                f"(attempt {r.get('attempt')}, in-process {r.get('inprocess')}): {r.get('reason')}"
                 for r in recs
             ]
             problems.append(job.tail())
@@ -511,5 +669,6 @@ def run_case(case: Case, tmp: Path, ref: dict[str, Any]) -> tuple[list[str], str
                 kill_agent(agent)
         if case.fault == "hang":  # the watchdog should have killed it already
             signal_all(stopped, signal.SIGKILL)
+        reap(root.name)
         job.rdzv = None
         shutil.rmtree(root, ignore_errors=True)

@@ -2,9 +2,15 @@
 
 Dimensions a user controls, crossed with the faults that come from outside. Every case
 is one cell; :func:`pairwise` picks a deterministic set of valid cases in which every
-pair of values of any two dimensions appears at least once (greedy all-pairs over the
-valid cases: no randomness, the same list on every machine). :data:`SMOKE` is the
-handful the default suite runs.
+pair of values of any two dimensions appears at least once, and so does each host loss
+of :data:`REQUIRED` in a job of two agents (greedy all-pairs over the valid cases: no
+randomness, the same list on every machine). :data:`SMOKE` is the handful the default
+suite runs.
+
+``launch`` is how the job runs: ``inprocess`` (the default a user gets: ``torchrun ... -m
+baft.inprocess``, ``baft train``), where a per-rank supervisor replaces a failed training
+process while the others re-enter ``main()``, or ``group`` (torchrun restarts every
+process, ``baft train --no-inprocess``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,11 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     # one: one torchrun agent, two declared nodes; hostid / nohostid: two agents (one per
     # declared node, own store roots) with / without BAFT_HOST_ID
     "hosts": ("one", "hostid", "nohostid"),
-    "fault": ("kill", "node", "power", "sigterm", "hang"),
+    # inprocess first: the default launch
+    "launch": ("inprocess", "group"),
+    # node: the declared node / host without rank 0 lost; node0: rank 0's (under
+    # inprocess its supervisor hosts the control store)
+    "fault": ("kill", "node", "node0", "power", "sigterm", "hang"),
 }
 REDUNDANCY = {"xor": "xor:2", "rs": "rs:1+1", "replicate": "replicate:1"}
 """Spellings: every case has two failure domains (declared nodes)."""
@@ -53,6 +63,7 @@ class Case:
     redundancy: str
     persist: str
     hosts: str
+    launch: str
     fault: str
 
     @property
@@ -108,40 +119,64 @@ def from_id(case_id: str) -> Case:
     return case
 
 
-def _pairs(case: Case) -> set[tuple[int, str, int, str]]:
-    values = [getattr(case, name) for name in DIMENSIONS]
-    return {(i, values[i], j, values[j]) for i, j in itertools.combinations(range(len(values)), 2)}
+REQUIRED = tuple((launch, fault) for launch in DIMENSIONS["launch"] for fault in ("node", "node0"))
+"""Beyond pairs: a host lost (its agent, every process under it and its store) in a job
+of two agents, for each launch and for either host, rank 0's included."""
+
+
+def coverage(case: Case) -> set[tuple[str, ...]]:
+    """What ``case`` covers: every pair of (dimension, value)s, and the :data:`REQUIRED`
+    host loss it is."""
+    names = list(DIMENSIONS)
+    out: set[tuple[str, ...]] = {
+        (x, getattr(case, x), y, getattr(case, y)) for x, y in itertools.combinations(names, 2)
+    }
+    if case.hosts != "one" and (case.launch, case.fault) in REQUIRED:
+        out.add(("two-agent host loss", case.launch, case.fault))
+    return out
 
 
 @cache
 def pairwise() -> tuple[Case, ...]:
-    """Greedy all-pairs: repeatedly take the valid case that covers the most pairs not
-    yet covered (the first in enumeration order on ties) until every pair that some
-    valid case contains is covered."""
+    """Greedy all-pairs: repeatedly take the valid case that covers the most items (pairs,
+    :data:`REQUIRED` host losses) not yet covered (the first in enumeration order on
+    ties) until every item that some valid case holds is covered."""
     candidates = [Case(*values) for values in itertools.product(*DIMENSIONS.values())]
     candidates = [c for c in candidates if valid(c)]
-    covers = [_pairs(c) for c in candidates]
-    todo: set[tuple[int, str, int, str]] = set().union(*covers)
+    bit: dict[tuple[str, ...], int] = {}
+    covers = []  # each candidate's items as a bit set
+    for c in candidates:
+        mask = 0
+        for item in coverage(c):
+            mask |= 1 << bit.setdefault(item, len(bit))
+        covers.append(mask)
+    todo = (1 << len(bit)) - 1
     chosen: list[Case] = []
     while todo:
-        best = max(range(len(candidates)), key=lambda k: len(covers[k] & todo))
+        best = max(range(len(candidates)), key=lambda k: (covers[k] & todo).bit_count())
         chosen.append(candidates[best])
-        todo -= covers[best]
+        todo &= ~covers[best]
     return tuple(chosen)
 
 
 SMOKE = (
-    Case("gpt", "dp2pp2", "1f1b", "1", "xor", "off", "one", "kill"),
-    Case("user-unique", "pp2", "gpipe", "3", "replicate", "on", "one", "power"),
-    Case("gpt", "pp2", "interleaved-1f1b", "1", "rs", "off", "hostid", "node"),
+    # `baft train`'s default launch, a training process kill -9ed from outside: replaced
+    # in-process, the survivors keep their pids
+    Case("gpt", "dp2pp2", "1f1b", "1", "xor", "off", "one", "inprocess", "kill"),
+    Case("user-unique", "pp2", "gpipe", "3", "replicate", "on", "one", "group", "power"),
+    # rank 0's host lost under in-process recovery (its supervisor hosts the control
+    # store): the group restarts when the replacement host joins, restored from memory
+    Case("gpt", "pp2", "interleaved-1f1b", "1", "rs", "off", "hostid", "inprocess", "node0"),
     # a differential restore from memory that replays the user script's SGD-nesterov
     # records in restarted processes, two agents without host ids (exited 0 with wrong
     # momentum before 0fce952)
-    Case("user-unique", "pp2", "1f1b", "3", "rs", "off", "nohostid", "kill"),
-    # FSDP2 x PP (issue 30): local shards restored with differential versions by default
-    Case("fsdp2", "dp2pp2", "1f1b", "auto", "xor", "off", "one", "kill"),
+    Case("user-unique", "pp2", "1f1b", "3", "rs", "off", "nohostid", "group", "kill"),
+    # FSDP2 x PP (issue 30): local shards restored with differential versions by default,
+    # the survivors re-entering main() in their processes
+    Case("fsdp2", "dp2pp2", "1f1b", "auto", "xor", "off", "one", "inprocess", "kill"),
     # `baft train --dp-shard 2 --pp 2` (issue 30): the reference app's FSDP2 stages, local
-    # shards restored from memory after kill -9
-    Case("gpt", "pp2dps2", "1f1b", "auto", "xor", "off", "one", "kill"),
+    # shards restored from memory after kill -9 of a training process
+    Case("gpt", "pp2dps2", "1f1b", "auto", "xor", "off", "one", "inprocess", "kill"),
 )
-"""The default suite's cells: each fault path of a different kind."""
+"""The default suite's cells: each fault path of a different kind, four of them under
+the default in-process launch and two under torchrun's group restart."""
