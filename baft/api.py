@@ -55,7 +55,9 @@ from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
+from baft.errors import RefusedConfig, is_refusal
 from baft.liveness import channel
+from baft.liveness.termination import hold_sigterm
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.layout import (
     check_fsdp_supported,
@@ -288,7 +290,10 @@ class Protected:
         if self.engine is not None:
             finished = self._started and not self.runner.in_iteration and sys.exc_info()[0] is None
             with self.watchdog.section("close"):
-                self.engine.close(finished=finished)
+                ended = self.engine.close(finished=finished)
+            ch = channel.current()
+            if ch is not None:
+                ch.closed(ended)
         self.runner.close()
         self.watchdog.stop()
         if self.own_mesh is not None:  # made by protect(): its groups are ours to end
@@ -332,18 +337,34 @@ def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     ch = channel.current()
     if ch is None:
         return main(*args, **kwargs)
+    ch.keep_connections()  # what the script opened so far (module level) is not aborted
+    hold_sigterm()  # a preemption during a recovery is flushed by the next generation
     # What exists now (torch, the script's imports and globals) lives for the process:
     # out of the collector's sight, the collection after an abort scans only what the
     # failed generation built (0.45-0.6 s per full collection of an unfrozen heap, here)
     gc.freeze()
     while True:
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
         except Exception as e:  # SystemExit (a SIGTERM flush) and KeyboardInterrupt pass
+            what = f"{type(e).__name__}: {e}"
+            if is_refusal(e) and ch.pending() is None:
+                log.error("baft: the training function refused: %s", what)
+                ch.refused(what)
+                raise
             if not ch.wait_for_generation(ABORT_WAIT_S):
-                log.error("baft: the training function raised: %s: %s", type(e).__name__, e)
-                ch.failed(f"{type(e).__name__}: {e}")
+                log.error("baft: the training function raised: %s", what)
+                ch.failed(what)
                 ch.wait_for_generation(None)  # the supervisor announces one, or ends us
+        else:
+            if ch.close_agreed is not False and ch.pending() is None:
+                ch.ended()  # the job's end: what follows is this rank's own work
+                return result
+            # close() found no agreement (a peer failed in the last iteration): the
+            # supervisors recover it, and this rank re-enters with the others
+            if not ch.wait_for_generation(ABORT_WAIT_S):
+                ch.failed("ft.close() found no agreement on the job's end (a peer is gone)")
+                ch.wait_for_generation(None)
         _abandon_generation(ch)
         gen = ch.enter()
         log.warning(
@@ -418,17 +439,22 @@ def protect(
     the pipeline is bounded by ``checkpoint.timeouts.collective_s`` from here on, and a watchdog
     ends this process when a peer freezes (see :mod:`baft.liveness.watchdog`).
     """
-    check_optimizer(optimizer)
-    modules = [s.submod for s in stages]
-    mesh, own_mesh = _mesh_from(device_mesh, ranks_per_node, modules)
+    try:
+        check_optimizer(optimizer)
+        modules = [s.submod for s in stages]
+        mesh, own_mesh = _mesh_from(device_mesh, ranks_per_node, modules)
+    except ValueError as e:  # the same script refuses on every attempt: no restart
+        raise RefusedConfig(str(e)) from e
     try:
         protected = _protect_on(
             mesh, schedule, stages, modules, optimizer, run_dir, checkpoint, state,
             average_gradients, extra_capacity_bytes,
         )  # fmt: skip
-    except BaseException:
+    except BaseException as e:
         if own_mesh is not None:  # a refusal: the groups baft made for it end here
             _end_groups(own_mesh)
+        if isinstance(e, ValueError) and not isinstance(e, RefusedConfig):
+            raise RefusedConfig(str(e)) from e
         raise
     protected.own_mesh = own_mesh
     return protected

@@ -91,7 +91,7 @@ def end_of_job(
     """Agree on a clean end, then free this host's stores of the job or keep them;
     rank 0 logs which (with the bytes of its host) and records it in ``run_dir``.
     Collective; call after the last commit, with every store mapping closed. Returns
-    whether the stores were freed."""
+    whether every rank agreed that the job ended (its stores then freed or kept)."""
     where = job_path(Path(store_root), job_id)
     size = used_bytes(where) if rank == 0 else 0
     everywhere = agree_finished(transport, finished, committed)
@@ -101,7 +101,7 @@ def end_of_job(
     if free:
         shutil.rmtree(where, ignore_errors=True)
     if rank != 0:
-        return free
+        return everywhere
     mib = size / (1 << 20)
     if free:
         to = f" to {persist_dir}" if persisted is not None and why.endswith("persisted") else ""
@@ -120,4 +120,4 @@ def end_of_job(
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, path)
-    return free
+    return everywhere

@@ -247,6 +247,10 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ hooks
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
         self.state.capture()
+        if self.termination is not None and self.termination.requested:
+            # a stop may be agreed: flush before this iteration's forward moves any
+            # buffer (BatchNorm statistics), not at its first slot
+            self._current(iteration)
         self._fire("iteration", iteration)
         self.writer.scheduling.iteration_start(
             self.writer, lambda: self._current(iteration), timeline
@@ -398,10 +402,12 @@ class CheckpointEngine:
         if self.termination is not None:
             self.termination.uninstall()
 
-    def close(self, finished: bool | None = None) -> None:
+    def close(self, finished: bool | None = None) -> bool:
         """Finish pending commit and persist; release the store mappings. ``finished``
         (collective when given): whether this rank ended between iterations; the stores
-        are then freed or kept at the job's end (see :mod:`baft.engine.closing`)."""
+        are then freed or kept at the job's end (see :mod:`baft.engine.closing`).
+        Returns whether every rank agreed that the job ended (False without
+        ``finished``)."""
         self.writer.shutdown()
         self._resolve_commit()
         self.persisting.shutdown()
@@ -409,14 +415,16 @@ class CheckpointEngine:
         self.store.close()
         if self.termination is not None:
             self.termination.uninstall()
+        ended = False
         if finished is not None:
-            end_of_job(
+            ended = end_of_job(
                 transport=self.transport, finished=finished, committed=self.committed,
                 store_root=self.ck.store.root, job_id=self.ck.store.job_id,
                 persist_dir=self.ck.persist.dir, keep=self.ck.store.keep_on_close,
                 run_dir=self.run_dir, rank=self.rank,
             )  # fmt: skip
         self.transport.close()
+        return ended
 
 
 def _param_groups(state: StateSource) -> list[list[str]]:

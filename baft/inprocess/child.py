@@ -12,6 +12,7 @@ and runs the script (``runpy``) exactly as ``python script.py args`` or
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import runpy
 import signal
@@ -44,6 +45,10 @@ def _prctl(option: int, arg: Any) -> None:
 def child_main(target: Target, conn: Any, generation: Generation) -> None:
     """Entry of a training process (in the forkserver's child)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it, not us
+    # started from a forkserver, multiprocessing's default here would be "forkserver":
+    # back to the platform's default, as under ``python script.py`` (DataLoader workers
+    # are forked from the training process, not started from a fresh interpreter)
+    multiprocessing.set_start_method(None, force=True)
     rank = int(os.environ.get("RANK", "0"))
     _prctl(_PR_SET_NAME, ctypes.c_char_p(f"baft-rank{rank}".encode()[:15]))
     os.environ["MASTER_PORT"] = str(generation.port)

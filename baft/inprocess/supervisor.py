@@ -57,6 +57,11 @@ PRELOAD = [
 heavy imports with ``BAFT_INPROCESS_PRELOAD=pkg.a,pkg.b`` (modules, imported, not run)."""
 GIVE_UP_EXIT = 75
 """A supervisor's status when in-process recovery gave up (torchrun restarts the group)."""
+REFUSED_EXIT = 78
+"""A supervisor's status when the training function refused (:class:`baft.errors.Refusal`):
+the job ends, torchrun's agent stopped so that it does not restart it."""
+REFUSED = "refused: "
+"""How a refusal is told apart from giving up in the control store's ``giveup`` key."""
 
 
 @dataclass
@@ -104,6 +109,9 @@ class Supervisor:
         self._peer_seen: dict[int, tuple[bytes, float]] = {}
         """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
         self._done: set[int] = set()
+        self.ended = False
+        """The child's training function returned after the job's agreed end: from then
+        on its work is its own (no recovery; a failure is its exit status)."""
 
     # ------------------------------------------------------------------ child
     def _generation(self, g: int) -> Generation:
@@ -154,22 +162,28 @@ class Supervisor:
         return code
 
     def _store_lost(self, error: BaseException) -> int:
-        """The control store stopped answering: the child may still finish (the job's
-        end, rank 0's supervisor already gone); otherwise the group restarts."""
+        """The control store stopped answering (rank 0's host is gone): a child past the
+        job's end finishes its own work; otherwise the group restarts."""
         if self.child is not None:
-            self.child.join(5.0)
+            self.child.join(None if self.ended else 5.0)
             if self.child.exitcode == 0:
                 return 0
+            if self.ended:
+                return self.child.exitcode
         return self._stop(f"the control store is unreachable: {error}")
 
-    def _await_peers(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def _await_peers(self) -> None:
+        """Rank 0's child ended: keep the control store up until every peer's child
+        finished too (their work after ``ft.close()`` may take long), or fell silent (its
+        host is gone), beating meanwhile so that no peer takes this host for lost."""
+        while True:
             try:
+                silent = self._watch_peers()
                 beats = self.control.beats()
             except (RuntimeError, OSError):
                 return
-            if len(beats) == self.world_size - 1 and all(b == b"done" for b in beats.values()):
+            waiting = {r for r, b in beats.items() if b != b"done"} - set(silent)
+            if len(beats) == self.world_size - 1 and not waiting:
                 return
             time.sleep(self.options.poll_s)
 
@@ -183,11 +197,12 @@ class Supervisor:
                 if code is not None:
                     return code
                 continue
-            if self.terminating:
+            if self.terminating or self.ended:
                 continue
             reason = self.control.given_up()
             if reason is not None:
-                return self._stop(f"another rank gave up: {reason}")
+                refused = reason.startswith(REFUSED)
+                return self._stop(reason if refused else f"another rank gave up: {reason}")
             self._follow(self.control.generation())
             silent = self._watch_peers()
             if silent:
@@ -203,6 +218,10 @@ class Supervisor:
             kind, g = msg[0], int(msg[1])
             if kind == "progress":
                 self.ledger.progress(g)
+            elif kind == "ended":
+                self.ended = True
+            elif kind == "refused":
+                self.control.give_up(f"{REFUSED}rank {self.rank}: {msg[2]}")
             elif kind == "failed" and g >= self.control.generation():
                 self._failure(g, f"rank {self.rank} raised: {msg[2]}")
             elif kind == "suspect":
@@ -219,9 +238,12 @@ class Supervisor:
 
     def _on_exit(self, code: int) -> int | None:
         """The child exited: the supervisor's status, or None after a respawn."""
-        if code == 0 or self.terminating:
+        if code == 0 or self.terminating or self.ended:
             self.control.finished()
             return code
+        reason = self.control.given_up()
+        if reason is not None and reason.startswith(REFUSED):
+            return self._stop(reason)
         current = self.control.generation()
         if current <= self.child_gen:  # not a consequence of a recovery under way: a failure
             what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
@@ -266,6 +288,8 @@ class Supervisor:
         return silent_peers(now, last, self.options.peer_silence_s)
 
     def _stop(self, reason: str) -> int:
+        if reason.startswith(REFUSED):
+            return self._end_job(reason[len(REFUSED) :])
         log.error(
             "baft supervisor %d: in-process recovery gives up (%s): group restart",
             self.rank,
@@ -275,6 +299,21 @@ class Supervisor:
         if self.child is not None:
             self.child.join(10.0)
         return GIVE_UP_EXIT
+
+    def _end_job(self, reason: str) -> int:
+        """A refusal: every attempt would refuse again, so the job ends now. torchrun has
+        no exit status that means "do not restart", so the supervisor stops its agent
+        the way a user would (SIGTERM: the agent stops its workers and exits non-zero
+        without another attempt); every supervisor does so for its own agent."""
+        log.error("baft supervisor %d: the job ends without a restart: %s", self.rank, reason)
+        self._kill_child()
+        if self.child is not None:
+            self.child.join(10.0)
+        agent = os.getppid()
+        if "TORCHELASTIC_RUN_ID" in os.environ and agent > 1:
+            self.terminating = True
+            os.kill(agent, signal.SIGTERM)
+        return REFUSED_EXIT
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.terminating = True

@@ -15,7 +15,13 @@ an abort shuts TCP sockets down, see below). This module is the child's end:
   in generation ``g`` (a recovery that finished); ``("failed", g, reason)`` when the
   training function raised and no new generation came (a failure of this rank: the
   supervisor starts a recovery or gives up); ``("suspect", g, ranks, reason)`` when this
-  rank's watchdog found frozen ranks (their supervisors replace them).
+  rank's watchdog found frozen ranks (their supervisors replace them);
+  ``("ended", g)`` when the training function returned after every rank agreed the job
+  ended (``ft.close()``): from then on this rank's work (saving a model, a logger) is
+  its own, a failure of it is not recovered, and rank 0's supervisor keeps the control
+  store up until every rank ended; ``("refused", g, reason)`` when the training function
+  raised a :class:`baft.errors.Refusal`: every attempt would refuse again, so the
+  supervisors end the job once, with no restart.
 
 Nothing here imports from baft outside :mod:`baft.liveness`; without a supervisor
 :func:`current` is None and nothing changes.
@@ -76,6 +82,9 @@ class Channel:
         self._pending: Generation | None = None
         self._arrived = threading.Event()
         self._progressed = -1
+        self.close_agreed: bool | None = None
+        """Whether the last ``ft.close()`` of this generation agreed on the job's end
+        (None: no close yet)."""
         self._reader = threading.Thread(target=self._read, name="baft-channel", daemon=True)
         self._reader.start()
 
@@ -99,6 +108,23 @@ class Channel:
 
     def suspect(self, ranks: list[int], reason: str) -> None:
         self._send("suspect", self.generation.number, sorted(ranks), reason)
+
+    def ended(self) -> None:
+        """The training function returned after the job's agreed end."""
+        self._send("ended", self.generation.number)
+
+    def refused(self, reason: str) -> None:
+        self._send("refused", self.generation.number, reason)
+
+    def closed(self, agreed: bool) -> None:
+        """``ft.close()`` ran in this generation; ``agreed``: every rank ended with it."""
+        self.close_agreed = agreed
+
+    def keep_connections(self) -> None:
+        """The TCP connections this process holds now stay through every abort: those the
+        script opened before its training function (a metrics or data-service client at
+        module level); only what the training function opens belongs to a generation."""
+        self._keep = tcp_inodes()
 
     # ------------------------------------------------------------------ supervisor -> child
     def _read(self) -> None:
@@ -158,6 +184,7 @@ class Channel:
             self._arrived.clear()
         assert gen is not None, "enter() without an announced generation"
         self.generation = gen
+        self.close_agreed = None
         self.entered_at = time.time()
         os.environ["MASTER_PORT"] = str(gen.port)
         os.environ[GENERATION_ENV] = str(gen.number)

@@ -27,6 +27,20 @@ A preemption SIGTERM reaches every rank and every peer keeps beating, so none of
 first two holds, and the agreed flush goes ahead as before; once this rank begins it
 (:meth:`Termination.flushing`), the watch ends. A rank that finished cleanly never
 counts as absent.
+
+torchrun stops its workers with ``killpg``: the SIGTERM also reaches every process the
+training process forked, its DataLoader workers first. A worker dying of it makes torch
+raise in the training thread (``DataLoader worker ... exited unexpectedly``) before the
+flush's vote. While the handler is installed, DataLoader workers forked from then on
+ignore SIGTERM (:mod:`baft.pipeline.loader`), and a forked process that inherits the
+handler itself ignores it there (it was installed by another pid): the workers live on
+until their parent flushed and shut them down, as on any clean end.
+
+Under in-process recovery (:func:`baft.api.run`) the training function is re-entered,
+and between one generation's engine and the next there is no :class:`Termination`:
+:func:`hold_sigterm` installs, for the process's life, a handler that holds a SIGTERM
+until the next engine's :class:`Termination` takes it over (its flush then follows the
+restore), and leaves the process if none does within ``HOLD_S``.
 """
 
 from __future__ import annotations
@@ -44,12 +58,64 @@ from types import FrameType
 from typing import Any
 
 from baft.liveness.absence import absent_peer
+from baft.pipeline.loader import keep_loader_workers_through_sigterm
 
 log = logging.getLogger("baft")
 
 
 POLL_S = 0.05
 """Seconds between two looks for an absent peer while a SIGTERM waits for its flush."""
+HOLD_S = 10.0
+"""Seconds a held SIGTERM (see :func:`hold_sigterm`) waits for an engine to take it over."""
+
+
+class _Hold:
+    """The process-wide SIGTERM handler under in-process recovery (one per process: a
+    signal's disposition is process-wide state, so this is too)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.pending = False
+        """A SIGTERM came and no :class:`Termination` has taken it over yet."""
+        self._taken = threading.Event()
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid or self.pending:  # a forked DataLoader worker: not ours
+            return
+        log.warning("SIGTERM: held for the next generation's flush (at most %.0f s)", HOLD_S)
+        self.pending = True
+        self._taken.clear()
+        threading.Thread(target=self._expire, name="baft-sigterm-hold", daemon=True).start()
+
+    def _expire(self) -> None:
+        if not self._taken.wait(HOLD_S):
+            Termination._die(f"no engine took the held SIGTERM over within {HOLD_S:.0f} s")
+
+    def take(self) -> bool:
+        """A :class:`Termination` takes the SIGTERM over; whether one was pending."""
+        was, self.pending = self.pending, False
+        self._taken.set()
+        return was
+
+    def give_back(self) -> None:
+        """A :class:`Termination` that had the SIGTERM was uninstalled unflushed (an
+        in-process recovery began): hold it again for the next one."""
+        if not self.pending:
+            self.handle(signal.SIGTERM, None)
+
+
+_hold: _Hold | None = None
+
+
+def hold_sigterm() -> None:
+    """Hold SIGTERM for this process's life between engines (see the module docstring).
+    From the main thread; a no-op elsewhere or when already installed."""
+    global _hold
+    if _hold is not None or threading.current_thread() is not threading.main_thread():
+        return
+    _hold = _Hold()
+    signal.signal(signal.SIGTERM, _hold.handle)
+    keep_loader_workers_through_sigterm()
 
 
 class Termination:
@@ -78,6 +144,7 @@ class Termination:
         self._settled = threading.Event()
         """Set once the agreed flush begins or the handler is removed: the watch ends."""
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
 
     def pace(self, iteration_s: float, *, profiled: bool = False) -> None:
         """Follow the iteration time: the agreed flush comes at the latest two votes
@@ -99,12 +166,15 @@ class Termination:
         if threading.current_thread() is not threading.main_thread():
             return self
         self._previous = signal.signal(signal.SIGTERM, self._handle)
+        keep_loader_workers_through_sigterm()
         atexit.register(self._at_exit)
         self._installed = True
+        if _hold is not None and _hold.take():  # came during a recovery: flush now
+            self._handle(signal.SIGTERM, None)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
+        if self.requested or os.getpid() != self._pid:  # forked children: not theirs
             return
         self.requested = True
         log.warning(
@@ -153,8 +223,11 @@ class Termination:
         os._exit(128 + signal.SIGTERM)
 
     def uninstall(self) -> None:
+        unflushed = self.requested and not self._settled.is_set()
         self._settled.set()
         if self._installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             atexit.unregister(self._at_exit)
             self._installed = False
+            if unflushed and _hold is not None:
+                _hold.give_back()

@@ -284,7 +284,7 @@ class Watchdog:
 
     @classmethod
     def from_env(
-        cls, *, rank: int, world_size: int, timeout_s: float, run_dir: str
+        cls, *, rank: int, world_size: int, timeout_s: float, run_dir: str, attempt: int = 0
     ) -> Watchdog | None:
         """A watchdog on torchrun's store (``MASTER_ADDR``/``MASTER_PORT``); None (with a
         warning) when the job was not started that way, or ``BAFT_WATCHDOG=0``."""
@@ -304,7 +304,7 @@ class Watchdog:
             host=host,
             port=int(port),
             store_rank=None if agent_store else 0,
-            attempt=attempt_key()[0],
+            attempt=attempt,
             exit_process=channel.current() is None,
         )
 
@@ -591,6 +591,20 @@ def start_watchdog(mesh: Any, runner: Any, timeout_s: float, run_dir: str) -> Wa
     ``timeout_s`` and start this rank's watchdog (off with ``BAFT_WATCHDOG=0``)."""
     bound_waits(mesh, runner, timeout_s)
     wd = Watchdog.from_env(
-        rank=mesh.rank, world_size=dist.get_world_size(), timeout_s=timeout_s, run_dir=run_dir
-    )
+        rank=mesh.rank, world_size=dist.get_world_size(), timeout_s=timeout_s, run_dir=run_dir,
+        attempt=agreed_attempt(),
+    )  # fmt: skip
     return wd.start() if wd is not None else NoWatchdog()
+
+
+def agreed_attempt() -> int:
+    """The job's torchrun attempt as every rank sees it: the highest restart count of any
+    rank. torchrun counts restarts per agent, so a replacement host's agent starts at 0
+    while the others are past it; heartbeats keyed by each rank's own count would never
+    meet, and a healthy rank would be named frozen. Collective over the world."""
+    mine = attempt_key()[0]
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return mine
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, mine)
+    return max(int(c) for c in counts)

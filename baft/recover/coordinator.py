@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from baft.errors import Refusal
 from baft.store.coding import GroupLayout, Recipe, Redundancy, UnrecoverableError
 from baft.store.manifest import RankInventory, VersionInfo
 from baft.topology import Topology
@@ -32,7 +33,7 @@ SOURCES = ("memory", "disk", "fresh")
 SHARD_KINDS = ("local", "remote", "replica", "parity")
 
 
-class TopologyMismatchError(ValueError):
+class TopologyMismatchError(ValueError, Refusal):
     """Stores hold snapshots written under other pp/dp/tp sizes than the job's now."""
 
     def __init__(self, message: str, detail: str = "") -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from baft.errors import Refusal
+
 __all__ = ["ShardIdentityError", "check_identity", "layout_key", "shard_records"]
 
 
-class ShardIdentityError(ValueError):
+class ShardIdentityError(ValueError, Refusal):
     """Restored bytes were saved from tensors other than the live ones."""
 
 

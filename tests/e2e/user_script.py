@@ -13,6 +13,12 @@ BatchNorm (buffers), every stage dropout (the RNG); SGD-nesterov, a warmup + cos
 schedule, gradient clipping and a sampler whose position is in ``state=``. With
 ``--dp N`` the loop averages gradients over the ``dp`` dim itself (and broadcasts the
 BatchNorm buffers from the first replica, as DDP does), so replicas hold identical bytes.
+What real scripts have, on flags: ``--loader-workers N`` feeds the batches through a
+``DataLoader`` with ``N`` persistent worker processes (created inside ``main()``, resumed
+at the iteration ``restore()`` returns); ``--module-socket`` opens a TCP connection at
+module level (outside ``main()``, as a metrics or data-service client is) and uses it every
+iteration; ``--after-close S`` works ``S`` seconds after ``ft.close()`` on the last stage
+(saving a model, finishing a logger) and then writes ``after_close.rank{r}``.
 Both modes write ``state.rank{r}.json`` (digests of every parameter, buffer, optimizer,
 scheduler, sampler and RNG state) and ``losses.attempt{start}.json``; a protected run is
 bit-identical to the unprotected one when the two sets of files are equal.
@@ -23,6 +29,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import socket
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -73,6 +81,63 @@ class ShuffleSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
+def indices_for(it: int, dp: int) -> list[int]:
+    """The dataset indices of iteration ``it`` (every replica's), as the ShuffleSampler
+    gives them: a stateless form for the DataLoader's workers."""
+    batch = BATCH_PER_REPLICA * dp
+    per_epoch = DATASET // batch
+    epoch, position = divmod(it, per_epoch)
+    order = torch.randperm(DATASET, generator=torch.Generator().manual_seed(7 + epoch))
+    return order[position * batch : (position + 1) * batch].tolist()
+
+
+class IterationData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Item ``it``: iteration ``it``'s batch of this replica (built in a worker process)."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, dp: int, num_dp: int) -> None:
+        self.inputs, self.labels, self.dp, self.num_dp = inputs, labels, dp, num_dp
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, it: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = indices_for(it, self.num_dp)[self.dp :: self.num_dp]
+        return self.inputs[index], self.labels[index]
+
+
+class EchoLink:
+    """A TCP connection opened at module level (both ends in this process: an echo
+    thread), used once per iteration as a metrics client would be."""
+
+    def __init__(self) -> None:
+        server = socket.create_server(("127.0.0.1", 0))
+        self.client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        server.close()
+        threading.Thread(target=self._echo, args=(peer,), daemon=True).start()
+        self.sent = 0
+
+    @staticmethod
+    def _echo(peer: socket.socket) -> None:
+        while data := peer.recv(64):
+            peer.sendall(data)
+
+    def use(self, it: int) -> None:
+        msg = f"{it:08d}".encode()
+        self.client.sendall(msg)
+        got = b""
+        while len(got) < len(msg):
+            chunk = self.client.recv(64)
+            if not chunk:
+                raise ConnectionError("the module-level connection was closed")
+            got += chunk
+        assert got == msg, (got, msg)
+        self.sent += 1
+
+
+LINK: EchoLink | None = None
+
+
 def sha(t: torch.Tensor) -> str:
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(raw).hexdigest()
@@ -105,6 +170,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--unprotected", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per iteration (a window)")
+    p.add_argument("--loader-workers", type=int, default=0)
+    p.add_argument("--module-socket", action="store_true")
+    p.add_argument("--after-close", type=float, default=0.0)
     return p.parse_args()
 
 
@@ -159,9 +227,25 @@ def main() -> None:  # noqa: PLR0915 - one straight user loop
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     losses: dict[int, float] = {}
+    batches = None
+    if a.loader_workers:
+        loader = torch.utils.data.DataLoader(
+            IterationData(inputs, labels, dp, a.dp),
+            sampler=range(start, a.iterations),
+            batch_size=None,
+            num_workers=a.loader_workers,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(5),  # not the global RNG (dropout's)
+        )
+        batches = iter(loader)
     for it in range(start, a.iterations):
         index = sampler.next_batch()[dp :: a.dp]
         x, y = inputs[index], labels[index]
+        if batches is not None:
+            x, y = next(batches)
+            assert index == indices_for(it, a.dp)[dp :: a.dp], it
+        if LINK is not None:
+            LINK.use(it)
         optimizer.zero_grad()
         mb_losses: list[torch.Tensor] = []
         if pp == 0:
@@ -186,6 +270,9 @@ def main() -> None:  # noqa: PLR0915 - one straight user loop
         time.sleep(a.sleep)
     if ft is not None:
         ft.close()
+    if a.after_close and pp == num_pp - 1:
+        time.sleep(a.after_close)  # e.g. saving the model, finishing a logger
+        (out / f"after_close.rank{rank}").write_text(str(a.after_close))
     state = {
         "module": plain(module.state_dict()),
         "optimizer": plain(optimizer.state_dict()),
@@ -200,6 +287,10 @@ def main() -> None:  # noqa: PLR0915 - one straight user loop
 
 
 if __name__ == "__main__":
+    import sys
+
     import baft
 
+    if "--module-socket" in sys.argv:
+        LINK = EchoLink()  # outside main(): must survive a peer's recovery
     baft.run(main)  # under `-m baft.inprocess`: survivors re-enter main() after a failure

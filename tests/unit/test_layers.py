@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sim", "faults", "config"),
     ("store", "profile"),
     ("plan", "topology"),
+    ("errors",),
 )
 """Top to bottom, as in DESIGN.md §4 ("Imports only point down the list's layers"): a
 module may import its own layer and the layers below. Names are the first component

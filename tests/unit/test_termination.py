@@ -70,3 +70,84 @@ def test_leaving_on_an_error_after_sigterm_skips_the_finalization() -> None:
     assert r.returncode == 128 + 15, r.stderr
     assert "RuntimeError: Connection closed by peer" in r.stderr
     assert "leaving without an agreed flush (training ended by an error)" in r.stderr
+
+
+LOADER = r"""
+import os, signal, subprocess, sys, time
+import torch
+from baft.liveness.termination import Termination
+os.setpgid(0, 0)  # a group of our own, as torchrun gives each worker
+t = Termination(grace_s=5.0).install()
+t.absent = lambda: None
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self): return 1000
+    def __getitem__(self, i): return torch.tensor([i])
+
+it = iter(torch.utils.data.DataLoader(Items(), num_workers=2, persistent_workers=True,
+                                      batch_size=None))
+first = int(next(it))
+# torchrun's stop: killpg(SIGTERM) from another process reaches the workers too
+subprocess.run([sys.executable, "-c", f"import os, signal; os.killpg({os.getpid()}, 15)"])
+time.sleep(0.5)
+served = [int(next(it)) for _ in range(6)]
+print("served", first, served, t.requested, flush=True)
+t.flushing()
+"""
+
+
+def test_dataloader_workers_serve_through_a_preemption_sigterm_and_end_with_the_process() -> None:
+    """torchrun's killpg reaches DataLoader workers, which die of it in torch (and the
+    training thread raises before the flush): forked after baft's handler, they serve on
+    until the flush is done; the process still exits at once with its iterator alive
+    (multiprocessing's exit terminates them: a SIGTERM from their parent)."""
+    r = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "served 0 [1, 2, 3, 4, 5, 6] True" in r.stdout, (r.stdout, r.stderr)
+
+
+HOLD = r"""
+import os, signal, time
+import baft.liveness.termination as term
+term.HOLD_S = {hold}
+term.hold_sigterm()
+os.kill(os.getpid(), signal.SIGTERM)  # between two engines (an in-process recovery)
+time.sleep(0.2)
+print("held", flush=True)
+{body}
+time.sleep(5)
+print("survived", flush=True)
+"""
+
+
+def _hold(body: str, hold: float = 1.0) -> subprocess.CompletedProcess[str]:
+    code = HOLD.format(body=body, hold=hold)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+
+
+def test_a_held_sigterm_is_taken_over_by_the_next_engine() -> None:
+    r = _hold(
+        "t = term.Termination(grace_s=60.0).install(); t.absent = lambda: None\n"
+        "print('requested', t.requested, flush=True); t.flushing(); raise SystemExit(0)"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "held\nrequested True" in r.stdout
+
+
+def test_a_held_sigterm_no_engine_takes_dies_after_the_hold() -> None:
+    r = _hold("")
+    assert r.returncode == 128 + 15, r.stderr
+    assert "held" in r.stdout and "survived" not in r.stdout
+    assert "no engine took the held SIGTERM over within 1 s" in r.stderr
+
+
+def test_an_unflushed_sigterm_is_held_again_when_its_engine_is_abandoned() -> None:
+    """A recovery abandons the engine that had the SIGTERM: the next one flushes it."""
+    r = _hold(
+        "a = term.Termination(grace_s=60.0).install(); a.absent = lambda: None\n"
+        "a.uninstall()\n"
+        "b = term.Termination(grace_s=60.0).install(); b.absent = lambda: None\n"
+        "print('again', b.requested, flush=True); b.flushing(); raise SystemExit(0)"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "again True" in r.stdout
