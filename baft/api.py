@@ -339,6 +339,7 @@ def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return main(*args, **kwargs)
     ch.keep_connections()  # what the script opened so far (module level) is not aborted
     hold_sigterm()  # a preemption during a recovery is flushed by the next generation
+    rng = _RandomState.take()  # every entry starts from it, as a fresh process would
     # What exists now (torch, the script's imports and globals) lives for the process:
     # out of the collector's sight, the collection after an abort scans only what the
     # failed generation built (0.45-0.6 s per full collection of an unfrozen heap, here)
@@ -366,11 +367,43 @@ def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                 ch.failed("ft.close() found no agreement on the job's end (a peer is gone)")
                 ch.wait_for_generation(None)
         _abandon_generation(ch)
+        rng.put()
         gen = ch.enter()
         log.warning(
             "baft: in-process recovery, generation %d (%s): re-entering the training "
             "function in process %d", gen.number, gen.cause, os.getpid(),
         )  # fmt: skip
+
+
+class _RandomState:
+    """The process's global random generators as ``baft.run`` found them (torch's CPU and
+    CUDA ones, Python's ``random``, NumPy's legacy one): a survivor re-enters the
+    training function with them as the replacement, a fresh process, has them, whatever
+    the failed generation drew (a fresh start from iteration 0, or a script seeding
+    only at module level, stays bit-identical)."""
+
+    def __init__(self, cpu: torch.Tensor, cuda: list[torch.Tensor] | None, py: Any, np_: Any):
+        self.cpu, self.cuda, self.py, self.np = cpu, cuda, py, np_
+
+    @classmethod
+    def take(cls) -> _RandomState:
+        import random
+
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        np_state = None
+        if "numpy" in sys.modules:
+            np_state = sys.modules["numpy"].random.get_state()
+        return cls(torch.get_rng_state(), cuda, random.getstate(), np_state)
+
+    def put(self) -> None:
+        import random
+
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.py)
+        if self.np is not None:
+            sys.modules["numpy"].random.set_state(self.np)
 
 
 def _abandon_generation(ch: channel.Channel) -> None:

@@ -101,7 +101,11 @@ class Supervisor:
         self.child: Any = None
         self.conn: Any = None
         self.child_gen = 0
-        """The generation the child runs in (told or spawned)."""
+        """The newest generation the child was told of (or spawned in)."""
+        self.entered_gen = 0
+        """The newest generation the child entered (spawned in, or acknowledged): a death
+        belongs to it. Told of a generation is not in it yet: a child killed with its
+        whole node, an instant after a peer, dies in the old generation."""
         self.spawned_in = 0
         self.terminating = False
         self._beat = 0
@@ -135,7 +139,7 @@ class Supervisor:
         self.child.start()
         child.close()
         self.conn = parent
-        self.child_gen = self.spawned_in = g
+        self.child_gen = self.spawned_in = self.entered_gen = g
         log.info(
             "baft supervisor %d: training process %d in generation %d", self.rank, self.child.pid, g
         )
@@ -218,6 +222,8 @@ class Supervisor:
             kind, g = msg[0], int(msg[1])
             if kind == "progress":
                 self.ledger.progress(g)
+            elif kind == "entered":
+                self.entered_gen = max(self.entered_gen, g)
             elif kind == "ended":
                 self.ended = True
             elif kind == "refused":
@@ -245,9 +251,9 @@ class Supervisor:
         if reason is not None and reason.startswith(REFUSED):
             return self._stop(reason)
         current = self.control.generation()
-        if current <= self.child_gen:  # not a consequence of a recovery under way: a failure
+        if current <= self.entered_gen:  # no recovery began since: this one starts it
             what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            self._failure(self.child_gen, f"rank {self.rank}'s process {self.child.pid} {what}")
+            self._failure(self.entered_gen, f"rank {self.rank}'s process {self.child.pid} {what}")
         reason = self.control.given_up()
         if reason is not None:
             return self._stop(reason)

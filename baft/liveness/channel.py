@@ -15,7 +15,10 @@ an abort shuts TCP sockets down, see below). This module is the child's end:
   in generation ``g`` (a recovery that finished); ``("failed", g, reason)`` when the
   training function raised and no new generation came (a failure of this rank: the
   supervisor starts a recovery or gives up); ``("suspect", g, ranks, reason)`` when this
-  rank's watchdog found frozen ranks (their supervisors replace them);
+  rank's watchdog found frozen ranks (their supervisors replace them); ``("entered", g)``
+  when it re-entered the training function in generation ``g`` (a death before it
+  belongs to the generation before: a node lost at once is one failure, not a failure
+  during its recovery);
   ``("ended", g)`` when the training function returned after every rank agreed the job
   ended (``ft.close()``): from then on this rank's work (saving a model, a logger) is
   its own, a failure of it is not recovered, and rank 0's supervisor keeps the control
@@ -188,6 +191,7 @@ class Channel:
         self.entered_at = time.time()
         os.environ["MASTER_PORT"] = str(gen.port)
         os.environ[GENERATION_ENV] = str(gen.number)
+        self._send("entered", gen.number)
         return gen
 
 
