@@ -353,7 +353,10 @@ def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                 log.error("baft: the training function refused: %s", what)
                 ch.refused(what)
                 raise
-            if not ch.wait_for_generation(ABORT_WAIT_S):
+            # a timed-out wait: a peer is hung and no supervisor saw a failure, so none
+            # will announce a recovery; any other error may be a peer's death: wait for it
+            wait_s = 0.0 if _timed_out(e) else ABORT_WAIT_S
+            if not ch.wait_for_generation(wait_s):
                 log.error("baft: the training function raised: %s", what)
                 ch.failed(what)
                 ch.wait_for_generation(None)  # the supervisor announces one, or ends us
@@ -373,6 +376,13 @@ def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             "baft: in-process recovery, generation %d (%s): re-entering the training "
             "function in process %d", gen.number, gen.cause, os.getpid(),
         )  # fmt: skip
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is a bounded wait that ran out (gloo's, the c10d store's, or a
+    TimeoutError), not a connection a peer's death broke."""
+    text = str(error).lower()
+    return isinstance(error, TimeoutError) or "timed out" in text or "wait timeout" in text
 
 
 class _RandomState:

@@ -224,6 +224,8 @@ class Supervisor:
                 self.ledger.progress(g)
             elif kind == "entered":
                 self.entered_gen = max(self.entered_gen, g)
+            elif kind == "stuck" and g == self.control.generation():
+                self._replace_stuck(g)
             elif kind == "ended":
                 self.ended = True
             elif kind == "refused":
@@ -241,6 +243,19 @@ class Supervisor:
             return
         now = self.control.begin(g, cause)
         log.warning("baft supervisor %d: %s -> generation %d", self.rank, cause, now)
+
+    def _replace_stuck(self, g: int) -> None:
+        """The child's training thread did not take generation ``g`` (hung off any
+        socket): a failure of this rank; kill the child, whose exit respawns it in ``g``."""
+        cause = f"rank {self.rank}'s training thread hung (it did not take generation {g})"
+        why = self.ledger.failure(self.entered_gen)
+        if why is not None:
+            self.control.give_up(f"rank {self.rank} {why}: {cause}")
+            return
+        log.warning(
+            "baft supervisor %d: %s: replacing process %d", self.rank, cause, self.child.pid
+        )
+        self._kill_child()
 
     def _on_exit(self, code: int) -> int | None:
         """The child exited: the supervisor's status, or None after a respawn."""

@@ -18,7 +18,8 @@ an abort shuts TCP sockets down, see below). This module is the child's end:
   rank's watchdog found frozen ranks (their supervisors replace them); ``("entered", g)``
   when it re-entered the training function in generation ``g`` (a death before it
   belongs to the generation before: a node lost at once is one failure, not a failure
-  during its recovery);
+  during its recovery); ``("stuck", g)`` when the training thread has not taken the
+  announced generation ``g`` within :data:`STUCK_S` (its supervisor replaces it);
   ``("ended", g)`` when the training function returned after every rank agreed the job
   ended (``ft.close()``): from then on this rank's work (saving a model, a logger) is
   its own, a failure of it is not recovered, and rank 0's supervisor keeps the control
@@ -45,6 +46,9 @@ from baft.liveness.sockets import shutdown_tcp, tcp_inodes
 
 log = logging.getLogger("baft")
 
+STUCK_S = float(os.environ.get("BAFT_INPROCESS_STUCK_S", "1"))
+"""Seconds a training thread has to take an announced generation (a survivor's abort
+and re-entry take well under one here) before its process counts as hung."""
 GENERATION_ENV = "BAFT_GENERATION"
 """The generation a process (re-)entered the training function in; 0 at first."""
 
@@ -156,12 +160,25 @@ class Channel:
 
     def _keep_aborting(self) -> None:
         """Until the main thread takes the new generation, a connection it opens for the
-        old one (a rendezvous it was entering) is shut down too, so it cannot wait there."""
+        old one (a rendezvous it was entering) is shut down too, so it cannot wait there.
+        A main thread that has not taken it after :data:`STUCK_S` is hung off any socket
+        (a stuck read, a deadlock, a sleep): this rank says so and its supervisor
+        replaces the process (its watchdog still beats, so no peer names it)."""
+        deadline: float | None = time.monotonic() + STUCK_S
         while True:
             with self._lock:  # enter() takes the lock: no shutdown after it returned
-                if self._pending is None:
+                pending = self._pending
+                if pending is None:
                     return
                 shutdown_tcp(self._keep)
+            if deadline is not None and time.monotonic() > deadline:
+                deadline = None
+                log.error(
+                    "baft: the training thread of rank %d has not taken generation %d within "
+                    "%.1f s (hung off any socket): its supervisor replaces this process",
+                    self.rank, pending.number, STUCK_S,
+                )  # fmt: skip
+                self._send("stuck", pending.number)
             try:
                 if self.conn.poll(0.05):  # a newer message: read it
                     return
