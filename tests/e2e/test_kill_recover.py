@@ -117,6 +117,9 @@ def test_kill_and_node_loss_recover_bit_exactly(
     assert node["source"] == "memory" and node["restored_version"] in (7, 8)
     assert node["lost_iterations"] == 8 - node["restored_version"]
     assert node["sources"] == {"0": "local", "1": "local", "2": "parity", "3": "parity"}
+    # in-process (baft train's default): the node's two processes dying an instant apart
+    # are one failure, both replaced (not a failure during the recovery: a group restart)
+    assert (node["attempt"], node["inprocess"]["generation"]) == (0, 2), node
     for r in recoveries:
         assert PHASES <= set(r["seconds"])
     committed = [m.get("committed_version") for m in failed["metrics"]]

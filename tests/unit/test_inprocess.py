@@ -156,3 +156,39 @@ def test_waits_off_sockets_give_up_once_a_generation_is_announced(
         channel.check_aborted()
     ch.enter()
     channel.check_aborted()  # in the new generation: goes on
+
+
+def test_a_training_thread_that_does_not_take_a_generation_is_reported_stuck(
+    piped: tuple[Any, Channel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A main thread hung off any socket (a sleep, a deadlock) never takes the announced
+    generation: after STUCK_S the channel says so, once, for its supervisor to replace."""
+    monkeypatch.setattr(channel, "STUCK_S", 0.2)
+    parent, ch = piped
+    parent.send(("gen", 1, 2, "rank 0 timed out", 1.0))
+    assert parent.poll(5.0)
+    assert parent.recv() == ("stuck", 1)
+    assert not parent.poll(0.5)  # once
+    ch.enter()
+    assert parent.recv() == ("entered", 1)
+
+
+def test_connections_opened_before_run_survive_an_abort(piped: tuple[Any, Channel]) -> None:
+    """A module-level client (opened after the channel, before the training function)
+    is kept through every abort; what the training function opens is not."""
+    parent, ch = piped
+    module = _tcp_pair()  # the script's module level
+    ch.keep_connections()  # baft.run, before the training function
+    generation = _tcp_pair()  # the training function's
+    parent.send(("gen", 1, 2, "rank 1 died", 1.0))
+    assert ch.wait_for_generation(5.0)
+    ch.enter()
+    server, client, peer = generation
+    client.settimeout(5.0)
+    assert client.recv(1) == b""  # shut down
+    server, client, peer = module
+    peer.sendall(b"m")
+    client.settimeout(5.0)
+    assert client.recv(1) == b"m"
+    for s in (*module, *generation):
+        s.close()
