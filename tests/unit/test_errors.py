@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baft.errors import RefusedConfig, Refusal, is_refusal
+from baft.errors import Refusal, RefusedConfig, is_refusal
 from baft.recover.coordinator import TopologyMismatchError
 from baft.recover.differential import RestoreError
 from baft.recover.identity import ShardIdentityError
