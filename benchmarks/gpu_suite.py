@@ -17,7 +17,11 @@ on the page, the others still run):
    one GPU runs one rank without a pipeline and without redundancy;
 5. ``restore-ref`` / ``restore-kill``: ``baft train`` without checkpoints, and the same
    run with a rank SIGKILLed mid-run and restored from memory; the final state digests
-   must be equal (a bit-exact trajectory).
+   must be equal (a bit-exact trajectory). ``baft train`` recovers in-process by default:
+   with two GPUs or more (pp=2, NCCL between the ranks) the page also says whether every
+   recovery was in-process (torchrun attempt 0, a new generation): the survivor kept its
+   process, only the killed one was replaced, and the NCCL groups were aborted with
+   torch's abort (``baft/inprocess/child.py``'s NCCL settings).
 
 The page goes to ``OUT/gpu-suite.md`` (default ``benchmarks/results/gpu-suite-<date>/``),
 each step's log and JSON beside it. Without a GPU it stops with an error, unless
@@ -253,6 +257,12 @@ def restore_check(ref: Path, kill: Path) -> dict[str, Any]:
     recs = [{k: r.get(k) for k in ("source", "restored_version", "lost_iterations")} for r in b.get("recoveries", [])]  # fmt: skip
     out.update(ref_digest=a.get("final_state_digest"), kill_digest=b.get("final_state_digest"), recoveries=recs)  # fmt: skip
     out["bit_exact"] = bool(recs) and out["ref_digest"] is not None and out["ref_digest"] == out["kill_digest"]  # fmt: skip
+    # in-process: torchrun never restarted (attempt 0) and each recovery began a generation
+    # (the survivors re-entered in their processes; only the killed one was replaced)
+    gens = [(r.get("inprocess") or {}).get("generation") for r in b.get("recoveries", [])]
+    out["inprocess"] = bool(recs) and all(
+        r.get("attempt", 0) == 0 and g for r, g in zip(b["recoveries"], gens, strict=True)
+    )
     return out
 
 
@@ -349,6 +359,8 @@ def render_page(*, date: str, argv: str, gpus: int, results: list[StepResult], d
             f"- **{'yes' if rest.get('bit_exact') else 'NO'}**: final state digest without checkpoints "
             f"`{rest.get('ref_digest')}`, after the kill and restore `{rest.get('kill_digest')}`",
             f"- recoveries: {json.dumps(rest.get('recoveries'))}",
+            f"- in-process (survivors kept their processes, torchrun did not restart): "
+            f"**{'yes' if rest.get('inprocess') else 'no'}**",
         ]  # fmt: skip
     lines += ["", "## D2H copy and hash rates", ""]
     lines += _copy_lines(data["copy"]) if data.get("copy") else ["- no copy JSON (see the steps)"]

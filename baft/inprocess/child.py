@@ -12,6 +12,7 @@ and runs the script (``runpy``) exactly as ``python script.py args`` or
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import runpy
@@ -23,6 +24,33 @@ from typing import Any
 from baft.liveness.channel import GENERATION_ENV, Channel, Generation, install
 
 _PR_SET_NAME = 15
+
+
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    "NCCL_NVLS_ENABLE": "0",
+}
+"""What an in-process abort of NCCL groups needs, set for the training process unless the
+user set it: torch's ``_abort_process_group`` asks for ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
+(otherwise ProcessGroupNCCL's watchdog tears the survivor's process down on the peer's
+error, before baft aborts and re-enters); ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0`` keeps the
+watchdog from rethrowing NCCL errors (it would end the process); NVLink SHARP (NVLS)
+cannot be aborted (NVRx's in-process restart documents the same three). A hang is still
+bounded: baft's watchdog names a frozen rank and the generation's abort ends its waits."""
+
+
+def nccl_env(environ: dict[str, str] | os._Environ[str]) -> tuple[dict[str, str], list[str]]:
+    """``(to_set, conflicts)``: the :data:`NCCL_ENV` values ``environ`` lacks, and a line
+    for each one the user set otherwise (left as set: in-process recovery of NCCL groups
+    may then end a survivor). Pure."""
+    to_set = {k: v for k, v in NCCL_ENV.items() if k not in environ}
+    conflicts = [
+        f"{k}={environ[k]} (in-process recovery needs {v})"
+        for k, v in NCCL_ENV.items()
+        if k in environ and environ[k] != v
+    ]
+    return to_set, conflicts
 
 
 @dataclass(frozen=True)
@@ -51,6 +79,12 @@ def child_main(target: Target, conn: Any, generation: Generation) -> None:
     multiprocessing.set_start_method(None, force=True)
     rank = int(os.environ.get("RANK", "0"))
     _prctl(_PR_SET_NAME, ctypes.c_char_p(f"baft-rank{rank}".encode()[:15]))
+    to_set, conflicts = nccl_env(os.environ)
+    os.environ.update(to_set)
+    if conflicts and rank == 0:
+        logging.getLogger("baft").warning(
+            "baft: NCCL settings against in-process recovery: %s", "; ".join(conflicts)
+        )
     os.environ["MASTER_PORT"] = str(generation.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ[GENERATION_ENV] = str(generation.number)

@@ -122,6 +122,11 @@ def test_restore_check(tmp_path: Path) -> None:
     assert not g.restore_check(tmp_path / "ref", tmp_path / "kill2")["bit_exact"]
     _summary(tmp_path / "kill3", "abc", [])  # no recovery happened: not a check
     assert not g.restore_check(tmp_path / "ref", tmp_path / "kill3")["bit_exact"]
+    assert not ok["inprocess"]  # no generation recorded: a group restart
+    _summary(tmp_path / "kill4", "abc", [dict(rec[0], attempt=0, inprocess={"generation": 1})])
+    assert g.restore_check(tmp_path / "ref", tmp_path / "kill4")["inprocess"]
+    _summary(tmp_path / "kill5", "abc", [dict(rec[0], attempt=1, inprocess={"generation": 1})])
+    assert not g.restore_check(tmp_path / "ref", tmp_path / "kill5")["inprocess"]
     assert "error" in g.restore_check(tmp_path / "ref", tmp_path / "missing")
 
 

@@ -192,3 +192,13 @@ def test_connections_opened_before_run_survive_an_abort(piped: tuple[Any, Channe
     assert client.recv(1) == b"m"
     for s in (*module, *generation):
         s.close()
+
+
+def test_the_nccl_abort_gets_the_settings_torch_asks_for_unless_the_user_set_them() -> None:
+    from baft.inprocess.child import NCCL_ENV, nccl_env
+
+    assert nccl_env({}) == (NCCL_ENV, [])
+    assert NCCL_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # _abort_process_group's note
+    to_set, conflicts = nccl_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_NVLS_ENABLE": "0"})
+    assert to_set == {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+    assert conflicts == ["TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (in-process recovery needs 0)"]
