@@ -12,6 +12,8 @@ Keys (under ``baft-inprocess/``):
 - ``kill/G``: ranks whose process must be replaced in generation ``G`` (frozen ranks a
   watchdog named), appended as ``"r,"``.
 - ``beat/R``: supervisor ``R``'s heartbeat counter; ``done/R``: its child finished.
+- ``ended``: some rank's training function returned after ``ft.close()`` agreed on
+  every rank: the job ended, a failure after it is the rank's own (no recovery).
 - ``giveup``: why in-process recovery gave up: every supervisor stops its child and
   exits non-zero, and torchrun restarts the group.
 """
@@ -105,6 +107,15 @@ class Control:
 
     def finished(self) -> None:
         self.store.set(f"beat/{self.rank}", "done")
+
+    def ended(self) -> None:
+        """This rank's training function returned after the job's agreed end."""
+        self.store.set("ended", str(self.rank))
+
+    def job_ended(self) -> bool:
+        """Whether some rank's training function returned after the job's agreed end
+        (``ft.close()`` agreed on every rank): no failure is recovered any more."""
+        return bool(self.store.check(["ended"]))
 
     def give_up(self, reason: str) -> None:
         self.store.compare_set("giveup", "", reason)

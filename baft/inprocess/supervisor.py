@@ -228,6 +228,7 @@ class Supervisor:
                 self._replace_stuck(g)
             elif kind == "ended":
                 self.ended = True
+                self.control.ended()
             elif kind == "refused":
                 self.control.give_up(f"{REFUSED}rank {self.rank}: {msg[2]}")
             elif kind == "failed" and g >= self.control.generation():
@@ -265,6 +266,13 @@ class Supervisor:
         reason = self.control.given_up()
         if reason is not None and reason.startswith(REFUSED):
             return self._stop(reason)
+        if self.control.job_ended():  # died after the job's agreed end: nothing to rejoin
+            log.error(
+                "baft supervisor %d: rank %d's process failed (status %d) after the job "
+                "ended: not recovered", self.rank, self.rank, code,
+            )  # fmt: skip
+            self.control.finished()
+            return code if code > 0 else 128 - code
         current = self.control.generation()
         if current <= self.entered_gen:  # no recovery began since: this one starts it
             what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"

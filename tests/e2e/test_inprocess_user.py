@@ -13,7 +13,8 @@ opened at module level and used every iteration, and work after ``ft.close()``.
 - a rank frozen (SIGSTOP) in the job's last iteration: recovered in-process, exit 0.
 
 Each is compared bit for bit with the same script without baft (every rank's
-parameters, buffers, optimizer, scheduler, sampler and RNG).
+parameters, buffers, optimizer, scheduler, sampler and RNG). The kill and the refusal
+run in the default suite, the preemption and the last-iteration freeze in the slow tier.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def test_kill_with_loader_workers_module_socket_and_work_after_close(
     _same_state(run, ref)
 
 
+@pytest.mark.slow
 def test_preemption_with_loader_workers_flushes_and_resumes(tmp_path: Path, store: Path) -> None:
     """SIGTERM to torchrun mid-run, no periodic DCP: the flush writes the live version
     (DataLoader workers used to die of torchrun's killpg and make the training thread
@@ -203,6 +205,7 @@ def test_a_refusal_ends_the_job_once(tmp_path: Path, store: Path) -> None:
     assert attempts == {"attempt_0"}, (attempts, took)
 
 
+@pytest.mark.slow
 def test_a_rank_frozen_in_the_last_iteration_is_recovered_in_process(
     tmp_path: Path, store: Path
 ) -> None:

@@ -73,6 +73,9 @@ def test_control_starts_one_generation_per_failure() -> None:
     c.give_up("first")
     c.give_up("second")
     assert c.given_up() == "first"
+    assert not c.job_ended()
+    c.ended()
+    assert c.job_ended()
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
