@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from baft.train.launch import launch_env
-from tests.e2e.jobs import USER_SCRIPT, descendants
+from tests.e2e.jobs import USER_SCRIPT, iterations_done, training_pids
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -39,28 +39,11 @@ WORLD, TIMEOUT_S = 4, 5.0
 
 
 def _training(root: int) -> dict[int, int]:
-    """Rank -> pid of the live training processes (``baft-rankR``) under ``root``."""
-    out: dict[int, int] = {}
-    for pid in descendants(root):
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if comm.startswith("baft-rank") and state != "Z":
-            out[int(comm[len("baft-rank") :])] = pid
-    return out
+    return training_pids(root)
 
 
 def _done(run: Path) -> int:
-    """Iterations every rank finished."""
-    done = []
-    for r in range(WORLD):
-        try:
-            done.append(int((run / "progress" / f"rank{r}").read_text()))
-        except (OSError, ValueError):
-            done.append(-1)
-    return min(done) + 1
+    return iterations_done(run, WORLD)
 
 
 def _command(
