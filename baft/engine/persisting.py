@@ -40,8 +40,16 @@ log = logging.getLogger("baft")
 def replica_share(
     named: list[tuple[str, torch.Tensor]], dp: int, num_dp: int
 ) -> list[tuple[str, torch.Tensor]]:
-    """DP replica ``dp``'s share of whole tensors (every ``num_dp``-th, from its index)."""
-    return [(n, t) for i, (n, t) in enumerate(named) if i % num_dp == dp]
+    """DP replica ``dp``'s share of whole tensors: every ``num_dp``-th from its index,
+    and every persistent buffer from replica 0 alone. A version's buffers are captured at
+    the end of ``optimizer.step()``, where replicas may still hold their own BatchNorm
+    statistics: the loop syncs them afterwards from the first replica (as DDP does), so
+    the first replica's are the ones every replica continues with (a buffer persisted
+    from another replica made a SIGTERM flush's restart diverge)."""
+    buffers = [(n, t) for n, t in named if n.startswith(names.BUFFER)]
+    rest = [(n, t) for n, t in named if not n.startswith(names.BUFFER)]
+    share = [(n, t) for i, (n, t) in enumerate(rest) if i % num_dp == dp]
+    return share + buffers if dp == 0 else share
 
 
 def writes_of(

@@ -139,8 +139,10 @@ def test_preemption_with_loader_workers_flushes_and_resumes(tmp_path: Path, stor
     """SIGTERM to torchrun mid-run, no periodic DCP: the flush writes the live version
     (DataLoader workers used to die of torchrun's killpg and make the training thread
     raise before the flush: nothing persisted); the host is wiped and the relaunch
-    resumes from DCP with no iteration lost."""
-    extra = ["--loader-workers=2", "--sleep=0.1", "--persist-every=0", "--dp=1", "--microbatches=4"]
+    resumes from DCP with no iteration lost. DP replicas with BatchNorm on stage 0: the
+    buffers are persisted from the first replica (the loop syncs them from it after the
+    step; the second replica's own statistics used to be flushed, and the run diverged)."""
+    extra = ["--loader-workers=2", "--sleep=0.1", "--persist-every=0", "--dp=2"]
     ref = _reference(tmp_path, store, 24, extra)
     run = tmp_path / "run"
     cmd = _command(run, store, 24, extra, True)

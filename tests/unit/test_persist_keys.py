@@ -210,3 +210,19 @@ def test_write_paths_read_tensors_at_unaligned_offsets() -> None:
         for name, t in named:
             key = name.removeprefix("model.")
             assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
+
+
+def test_replicas_share_whole_tensors_and_buffers_come_from_the_first() -> None:
+    """A version's buffers are captured before the loop syncs them from the first replica
+    (BatchNorm statistics): only replica 0 persists them."""
+    import torch
+
+    from baft.engine.persisting import replica_share
+
+    t = torch.zeros(1)
+    named = [(n, t) for n in ("model.a", "buffer.bn.running_mean", "model.b", "buffer.bn.running_var", "model.c")]  # fmt: skip
+    first = [n for n, _ in replica_share(named, 0, 2)]
+    second = [n for n, _ in replica_share(named, 1, 2)]
+    assert first == ["model.a", "model.c", "buffer.bn.running_mean", "buffer.bn.running_var"]
+    assert second == ["model.b"]
+    assert sorted(first + second) == sorted(n for n, _ in named)
