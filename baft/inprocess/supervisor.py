@@ -23,6 +23,14 @@ supervisor instead, which never exits on a recoverable failure:
    exits non-zero; torchrun's group restart (``--max-restarts``) takes over, as without
    in-process recovery. SIGTERM (a preemption) goes to the child, whose agreed flush
    runs as before; the supervisor exits with the child's status.
+5. **A refusal** (:class:`baft.errors.Refusal`, reported by the child): no attempt can
+   succeed, so every supervisor kills its child and stops its torchrun agent, once.
+6. **The job's end**: a child whose training function returned after ``ft.close()``
+   agreed on every rank works on as long as it likes; a failure after it is not
+   recovered, and rank 0's supervisor keeps the control store up until every rank's
+   child exited.
+7. **A hung training thread** (it does not take an announced generation, see
+   :data:`baft.liveness.channel.STUCK_S`) is killed and replaced like a dead one.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ module may import its own layer and the layers below. Names are the first compon
 under ``baft.``; ``<face>`` is ``baft/__init__.py``, the public face, which may import
 only ``api`` and ``config`` (``FACE_MAY_IMPORT``) and sits above the library it exposes.
 ``integrations`` (optional framework adapters, e.g. torchtitan's checkpoint manager) sit
-on the library as a user does. ``liveness`` (watchdog, SIGTERM) imports nothing from baft; it sits right under its
-lowest user, the engine (api and recover use it too)."""
+on the library as a user does. ``liveness`` (watchdog, SIGTERM) imports from baft only the DataLoader seam of
+``pipeline``; it sits right under its lowest user, the engine (api and recover use it too).
+``errors`` (the refusal marker) is imported from every layer and imports nothing."""
 
 FACE_MAY_IMPORT = frozenset({"api", "config"})
 ARGPARSE_ONLY_IN = "cli"
