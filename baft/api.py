@@ -38,6 +38,7 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import os
@@ -55,7 +56,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
-from baft.errors import RefusedConfig, is_refusal
+from baft.errors import is_refusal, refusal
 from baft.liveness import channel
 from baft.liveness.termination import hold_sigterm
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
@@ -487,7 +488,8 @@ def protect(
         modules = [s.submod for s in stages]
         mesh, own_mesh = _mesh_from(device_mesh, ranks_per_node, modules)
     except ValueError as e:  # the same script refuses on every attempt: no restart
-        raise RefusedConfig(str(e)) from e
+        refusal(e)
+        raise
     try:
         protected = _protect_on(
             mesh, schedule, stages, modules, optimizer, run_dir, checkpoint, state,
@@ -496,8 +498,8 @@ def protect(
     except BaseException as e:
         if own_mesh is not None:  # a refusal: the groups baft made for it end here
             _end_groups(own_mesh)
-        if isinstance(e, ValueError) and not isinstance(e, RefusedConfig):
-            raise RefusedConfig(str(e)) from e
+        if isinstance(e, ValueError):
+            refusal(e)
         raise
     protected.own_mesh = own_mesh
     return protected
@@ -516,7 +518,9 @@ def _protect_on(
     extra_capacity_bytes: int | Mapping[str, int],
 ) -> Protected:
     """:func:`protect` on baft's view of the job's mesh."""
-    ck = checkpoint if checkpoint is not None else CheckpointConfig()
+    # the caller's config stays as given (one config may protect several runs): the
+    # run's job id and persist directory go into a copy
+    ck = copy.deepcopy(checkpoint) if checkpoint is not None else CheckpointConfig()
     ck.store.job_id = ck.store.job_id or default_job_id(run_dir)
     ck.persist.dir = ck.persist.dir or str(Path(run_dir) / "checkpoints")
     ck.validate(mesh.topology)

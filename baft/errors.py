@@ -8,23 +8,32 @@ instead of re-entering the training function (see :mod:`baft.inprocess`)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
+_MARK = "baft_refusal"
+
 
 class Refusal(Exception):  # noqa: N818 - a marker mixed into the concrete error types
     """Mixed into an error type: raising it ends the job, never restarts it."""
 
 
+def refusal(error: E) -> E:
+    """Mark ``error`` as a refusal, its type unchanged (``raise refusal(ValueError(...))``:
+    callers still catch the ValueError they know)."""
+    setattr(error, _MARK, True)
+    return error
+
+
 def is_refusal(error: BaseException) -> bool:
-    """Whether ``error`` (or what it was raised from) is a :class:`Refusal`."""
+    """Whether ``error`` (or what it was raised from) is a refusal: a :class:`Refusal` or
+    an error marked by :func:`refusal`."""
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
-        if isinstance(e, Refusal):
+        if isinstance(e, Refusal) or getattr(e, _MARK, False):
             return True
         seen.add(id(e))
         e = e.__cause__
     return False
-
-
-class RefusedConfig(ValueError, Refusal):
-    """A configuration baft refuses before the first step (``protect()``'s ValueErrors):
-    the same script refuses on every attempt."""

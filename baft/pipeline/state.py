@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from baft.errors import refusal
 from baft.pipeline.encoding import (
     _tensor_bytes,
     decode_blob,
@@ -575,14 +576,18 @@ class TrainingState:
                 )
                 if v
             ]
-            raise ValueError(
-                "; ".join([*head, "the model/optimizer state differs from the saved one", *parts])
+            raise refusal(
+                ValueError(
+                    "; ".join(
+                        [*head, "the model/optimizer state differs from the saved one", *parts]
+                    )
+                )
             )
         if head:
-            raise ValueError(head[0])
+            raise refusal(ValueError(head[0]))
         if list(old) != list(new):
-            raise ValueError(
-                "the saved tensors are in a different order (stage modules reordered?)"
+            raise refusal(
+                ValueError("the saved tensors are in a different order (stage modules reordered?)")
             )
 
     def digests(self) -> dict[str, str]:
@@ -768,35 +773,45 @@ class TrainingState:
             _read_blob(read(self.meta_name), "optimizer hyperparameters"), self.device
         )
         if type(meta) is not dict or meta.get("format") != FORMAT:
-            raise ValueError("restored optimizer record has an unknown format")
+            raise refusal(ValueError("restored optimizer record has an unknown format"))
         saved_keys, keys = list(meta["state_keys"]), sorted(self.stateful)
         if saved_keys != keys:
-            raise ValueError(
-                f"state= keys differ from the saved ones: saved {saved_keys}, registered {keys} "
-                f"(missing {sorted(set(saved_keys) - set(keys))}, extra {sorted(set(keys) - set(saved_keys))})"
+            raise refusal(
+                ValueError(
+                    f"state= keys differ from the saved ones: saved {saved_keys}, registered {keys} "
+                    f"(missing {sorted(set(saved_keys) - set(keys))}, extra {sorted(set(keys) - set(saved_keys))})"
+                )
             )
         if meta["optimizer"] != _qualname(self.optimizer):
-            raise ValueError(
-                f"the state was saved with optimizer {meta['optimizer']}, this run uses {_qualname(self.optimizer)}"
+            raise refusal(
+                ValueError(
+                    f"the state was saved with optimizer {meta['optimizer']}, this run uses {_qualname(self.optimizer)}"
+                )
             )
         if meta["groups"] != self._groups:
-            raise ValueError(
-                f"optimizer param groups differ from the saved ones ([params, digest] per group): "
-                f"saved {meta['groups']}, now {self._groups}"
+            raise refusal(
+                ValueError(
+                    f"optimizer param groups differ from the saved ones ([params, digest] per group): "
+                    f"saved {meta['groups']}, now {self._groups}"
+                )
             )
         if meta["layout"] != self._digest:
-            raise ValueError(
-                "the model/optimizer tensor layout differs from the saved one (see check_layout)"
+            raise refusal(
+                ValueError(
+                    "the model/optimizer tensor layout differs from the saved one (see check_layout)"
+                )
             )
         hypers = meta["hypers"]
         check_param_group_hypers(self.optimizer, hypers)
         for mod, leaf, shadow in self._buffers:
             live = mod._buffers.get(leaf)
             if live is None or local(live).shape != shadow.shape or live.dtype != shadow.dtype:
-                raise ValueError(f"buffer {leaf!r} of {type(mod).__name__} changed since start")
+                raise refusal(
+                    ValueError(f"buffer {leaf!r} of {type(mod).__name__} changed since start")
+                )
         created = [int(x) for x in read(names.OPTIM_CREATED).tolist()] if self._deferred else []
         if any(x not in (0, 1) for x in created):
-            raise ValueError("restored extra.optim.created holds values other than 0/1")
+            raise refusal(ValueError("restored extra.optim.created holds values other than 0/1"))
         rng_cpu = read(names.rng("cpu")).detach().cpu().clone()
         _check_rng(rng_cpu, torch.device("cpu"))
         rng_device = None
@@ -809,8 +824,10 @@ class TrainingState:
             now = _qualname(self.stateful[key])
             if type(rec) is not dict or rec.get("class") != now:
                 saved = rec.get("class") if type(rec) is dict else "?"
-                raise ValueError(
-                    f"state[{key!r}] was saved from a {saved}, this run registers a {now}"
+                raise refusal(
+                    ValueError(
+                        f"state[{key!r}] was saved from a {saved}, this run registers a {now}"
+                    )
                 )
             states[key] = rec["state"]
         return _Restored(hypers, [bool(x) for x in created], rng_cpu, rng_device, states)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from baft.errors import Refusal
+from baft.errors import refusal
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.differential import RestoreError
 from baft.recover.report import progress_seen
@@ -19,10 +19,6 @@ from baft.recover.window import diff_metas
 from baft.store.records import read_closed
 
 log = logging.getLogger("baft")
-
-
-class RefusedStart(RestoreError, Refusal):
-    """The run records progress but nothing restores it: every restart would refuse."""
 
 
 def young_first_rotation(located: Located, began_by: int) -> tuple[int, int, int] | None:
@@ -132,8 +128,10 @@ def never_silently_fresh(
         if closed and closed.get("freed")
         else ""
     )
-    raise RefusedStart(
-        f"refusing to start over silently: {' and '.join(seen)}, but nothing can be "
-        f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on{keep} or "
-        "set CheckpointConfig.allow_fresh_start=True to start from iteration 0."
+    raise refusal(
+        RestoreError(
+            f"refusing to start over silently: {' and '.join(seen)}, but nothing can be "
+            f"restored ({reason}). Keep DCP checkpoints (persist_every) to fall back on{keep} or "
+            "set CheckpointConfig.allow_fresh_start=True to start from iteration 0."
+        )
     )

@@ -72,6 +72,10 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict[str, Any]:
         checkpoint=ck,
         ranks_per_node=1,
     )
+    # the caller's config is left as given (protect() fills a copy: job id, persist dir)
+    out["config_untouched"] = (ck.store.job_id, ck.persist.dir) == ("", "") and (
+        ft.checkpoint.store.job_id != "" and ft.checkpoint.persist.dir.endswith("checkpoints")
+    )
     x = torch.randn(4, 16)
     before = [p.detach().clone() for p in module.parameters()]
     out["step_first"] = _error(lambda: ft.step(0, x if rank == 0 else None, x))
@@ -135,6 +139,7 @@ def test_protect_rejects_bad_input_on_every_rank(gloo, tmp_path: Path) -> None:
         assert out["loop_first"] == out["step_first"]
         assert out["optimizer_first"] == out["step_first"]
         assert out["untouched"] is True
+        assert out["config_untouched"] is True
         assert out["twice"] == (
             "ValueError",
             "this optimizer is already protected by an earlier baft.protect(): call that "

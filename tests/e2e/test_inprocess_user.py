@@ -168,8 +168,9 @@ def test_preemption_with_loader_workers_flushes_and_resumes(tmp_path: Path, stor
 
 def test_a_refusal_ends_the_job_once(tmp_path: Path, store: Path) -> None:
     """A run that recorded progress, with nothing in memory or on disk: every rank
-    refuses to start over; the job ends at once, without re-entering ``main()`` and
-    without a torchrun restart (it used to do both, refusing each time)."""
+    refuses to start over; the job ends at once, without a torchrun restart (it used to
+    re-enter ``main()`` and then restart the group, refusing each time). A peer whose
+    collective the refusing rank broke may re-enter once before the refusal reaches it."""
     run = tmp_path / "run"
     (run / "progress").mkdir(parents=True)
     for r in range(WORLD):
@@ -184,8 +185,8 @@ def test_a_refusal_ends_the_job_once(tmp_path: Path, store: Path) -> None:
     assert r.returncode != 0
     logs = _logs(run)
     assert "the job ends without a restart" in logs, logs[-3000:]
-    assert logs.count("baft: the training function refused: RefusedStart") == WORLD, logs[-3000:]
-    assert "re-entering the training function" not in logs
+    refused = logs.count("baft: the training function refused: RestoreError: refusing to start")
+    assert 1 <= refused <= WORLD, logs[-3000:]  # peers may be stopped before they refuse too
     attempts = {p.name for p in run.glob("logs/*/attempt_*")}
     assert attempts == {"attempt_0"}, (attempts, took)
 

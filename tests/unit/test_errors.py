@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from baft.errors import Refusal, RefusedConfig, is_refusal
+from baft.errors import Refusal, is_refusal, refusal
 from baft.recover.coordinator import TopologyMismatchError
 from baft.recover.differential import RestoreError
 from baft.recover.identity import ShardIdentityError
-from baft.recover.startover import RefusedStart
 
 
 def test_refusals_are_marked_and_failures_are_not() -> None:
-    assert is_refusal(RefusedStart("refusing to start over silently"))
+    assert is_refusal(refusal(RestoreError("refusing to start over silently")))
     assert is_refusal(TopologyMismatchError("pp=2 then, pp=4 now"))
     assert is_refusal(ShardIdentityError("0.weight: shape (4,) then, (8,) now"))
-    assert is_refusal(RefusedConfig("cp > 1 is not supported"))
+    marked = refusal(ValueError("the state was saved with optimizer AdamW, this run uses Adam"))
+    assert is_refusal(marked) and type(marked) is ValueError  # the type users catch
     assert not is_refusal(RestoreError("rank 1: cannot read store"))  # a restart may help
     assert not is_refusal(RuntimeError("Connection closed by peer"))
-    # still the types users catch
-    assert isinstance(RefusedStart("x"), RestoreError)
-    assert isinstance(RefusedConfig("x"), ValueError)
+    assert not is_refusal(ValueError("a ValueError of the user's own"))
 
 
 def test_a_refusal_raised_from_is_a_refusal() -> None:
