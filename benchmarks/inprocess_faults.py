@@ -2,7 +2,8 @@
 two processes killed at once (``--inject node:1,iter=N``) and a training thread hung off any
 socket (``--inject hang:rank=1,iter=N``, ``--timeout 5``), each recovered in-process and,
 for comparison, by the group restart (``--no-inprocess``), optionally against another
-checkout of baft (``--old DIR``: its package directory's parent, run through PYTHONPATH).
+checkout of baft (``--old DIR``: its package directory's parent, run from there and
+through PYTHONPATH).
 
 Usage: ``python benchmarks/inprocess_faults.py OUT [--old DIR] [--repeats 1]``. Prints one
 JSON line per run (the recovery record's attempt, generation, source, lost iterations,
@@ -28,13 +29,15 @@ FAULTS = {
 
 
 def run(out: Path, code: str, mode: str, fault: str, extra: list[str], old: str) -> dict[str, Any]:
+    out = out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ)
     if code == "old":
         env["PYTHONPATH"] = old + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "baft.cli", "train", "--out", str(out), "--iterations", "30"]
     cmd += extra + (["--no-inprocess"] if mode == "group" else [])
-    rc = subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode
+    cwd = old if code == "old" else None  # `-m` puts the working directory first on sys.path
+    rc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, timeout=600).returncode
     recs = [json.loads(x) for x in (out / "recoveries.jsonl").read_text().splitlines()]
     r = recs[0]
     seconds = r.get("seconds", {})
