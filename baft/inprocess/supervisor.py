@@ -49,7 +49,7 @@ from typing import Any
 from baft.inprocess.child import Target, child_main
 from baft.inprocess.control import Control
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
-from baft.liveness.channel import Generation
+from baft.liveness.channel import STUCK_S, Generation
 
 log = logging.getLogger("baft")
 
@@ -65,6 +65,9 @@ PRELOAD = [
 heavy imports with ``BAFT_INPROCESS_PRELOAD=pkg.a,pkg.b`` (modules, imported, not run)."""
 GIVE_UP_EXIT = 75
 """A supervisor's status when in-process recovery gave up (torchrun restarts the group)."""
+UNRESPONSIVE_S = 2.0
+"""Beyond the channel's own ``STUCK_S``: how long a child told of a generation may stay
+silent before its supervisor takes it for stopped and replaces it."""
 REFUSED_EXIT = 78
 """A supervisor's status when the training function refused (:class:`baft.errors.Refusal`):
 the job ends, torchrun's agent stopped so that it does not restart it."""
@@ -121,6 +124,8 @@ class Supervisor:
         self._peer_seen: dict[int, tuple[bytes, float]] = {}
         """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
         self._done: set[int] = set()
+        self._told_at: float | None = None
+        """When the child was told of a generation it has not entered yet (monotonic)."""
         self.ended = False
         """The child's training function returned after the job's agreed end: from then
         on its work is its own (no recovery; a failure is its exit status)."""
@@ -148,6 +153,7 @@ class Supervisor:
         child.close()
         self.conn = parent
         self.child_gen = self.spawned_in = self.entered_gen = g
+        self._told_at = None
         log.info(
             "baft supervisor %d: training process %d in generation %d", self.rank, self.child.pid, g
         )
@@ -216,6 +222,7 @@ class Supervisor:
                 refused = reason.startswith(REFUSED)
                 return self._stop(reason if refused else f"another rank gave up: {reason}")
             self._follow(self.control.generation())
+            self._check_unresponsive()
             silent = self._watch_peers()
             if silent:
                 self.control.give_up(f"the supervisors of ranks {silent} are silent (host lost?)")
@@ -232,6 +239,8 @@ class Supervisor:
                 self.ledger.progress(g)
             elif kind == "entered":
                 self.entered_gen = max(self.entered_gen, g)
+                if self.entered_gen >= self.child_gen:
+                    self._told_at = None
             elif kind == "stuck" and g == self.control.generation():
                 self._replace_stuck(g)
             elif kind == "ended":
@@ -256,6 +265,7 @@ class Supervisor:
     def _replace_stuck(self, g: int) -> None:
         """The child's training thread did not take generation ``g`` (hung off any
         socket): a failure of this rank; kill the child, whose exit respawns it in ``g``."""
+        self._told_at = None  # one replacement per generation
         cause = f"rank {self.rank}'s training thread hung (it did not take generation {g})"
         why = self.ledger.failure(self.entered_gen)
         if why is not None:
@@ -307,6 +317,19 @@ class Supervisor:
             except (OSError, ValueError):
                 pass
             self.child_gen = g
+            self._told_at = time.monotonic()
+
+    def _check_unresponsive(self) -> None:
+        """A child told of a generation that neither entered it nor said it is stuck
+        within ``STUCK_S + UNRESPONSIVE_S`` cannot answer at all (stopped: SIGSTOP, a hung
+        kernel; its channel thread is frozen too): replace it like a stuck one. This
+        closes the race where the peers' timed-out waits start a generation before any
+        watchdog named the frozen rank, so no kill list names it."""
+        told = self._told_at
+        if told is None or self.entered_gen >= self.child_gen or self.child.exitcode is not None:
+            return
+        if time.monotonic() - told > STUCK_S + UNRESPONSIVE_S:
+            self._replace_stuck(self.child_gen)
 
     def _watch_peers(self) -> list[int]:
         now = time.monotonic()
