@@ -5,7 +5,10 @@ Lifecycle (all ranks in lock-step, driven by the step runner's :class:`StepHooks
 1. **Profile.** The first ``profile_iters`` iterations run unprotected; their timelines
    give this rank's BubbleMap. Then every rank gathers all BubbleMaps and layouts and the
    :class:`~baft.engine.rotation.Rotation` turns them into an immutable layout (plan, k,
-   payload, schedule); a restarted job re-plans at once from the saved inputs.
+   payload, schedule) that :class:`~baft.engine.adoption.PlanAdoption` puts into effect
+   (store slots, writer, persist interval); a restarted job re-plans at once from the
+   saved inputs. After a few checkpoints it re-plans once if snapshots copy at another
+   rate than the plan assumed.
 2. **Snapshot (iteration v, version v).** Version v opens at the first hook of iteration
    v with snapshot work (the spill start, else the first slot, else the deadline): there
    the vote on v-1 resolves (:class:`~baft.engine.commit.Commit`), inside a bubble where
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from baft.config import CheckpointConfig
+from baft.engine.adoption import PlanAdoption
 from baft.engine.allocation import StoreSlots
 from baft.engine.closing import end_of_job
 from baft.engine.commit import Commit
@@ -38,7 +42,7 @@ from baft.engine.differential import RecordCapture
 from baft.engine.flat import FlatState
 from baft.engine.parts import EngineParts, StateSource
 from baft.engine.persisting import Persisting
-from baft.engine.planning import SPILL, calibrate, gather_plan_input
+from baft.engine.planning import SPILL
 from baft.engine.rotation import Rotation
 from baft.engine.versions import COMPONENTS, Version
 from baft.engine.writer import VersionWriter
@@ -105,6 +109,12 @@ class CheckpointEngine:
             device=device, layout_digests=self.layout_digests, fire=self._fire,
             sharded=self.persist_layouts, param_groups=_param_groups(state),
         )  # fmt: skip
+        self.adoption = PlanAdoption(
+            run_dir=self.run_dir, rank=rank, topology=topology, device=device, cost=ck.cost,
+            redundancy=self.redundancy, transport=self.transport, rotation=self.rotation,
+            commit=self.commit, store=self.store, slots=self.slots, writer=self.writer,
+            persisting=self.persisting, termination=self.termination,
+        )  # fmt: skip
         self.enabled = True
         self.skip_version: int | None = None
         """The version a restore brought back: it is committed already, not rewritten."""
@@ -147,78 +157,7 @@ class CheckpointEngine:
         self.rotation.begin(resume_iteration, first_version, rotation_k, records)
         saved = PlanInput.load(self.run_dir)
         if saved is not None:
-            self._plan_from(saved, source="saved profile")
-
-    def _gather_and_plan(self) -> None:
-        hashes = self.device.type != "cuda"
-        cost = calibrate(self.ck.cost, hashes_on_copy=hashes) if self.rank == 0 else None
-        plan_input = PlanInput.from_json(
-            gather_plan_input(
-                self.transport,
-                self.rank,
-                self.rotation.profile,
-                self.rotation.flat_layout(),
-                cost,
-                self.topology.world_size,
-            )  # fmt: skip
-        )
-        if self.rank == 0:
-            plan_input.save(self.run_dir)
-        self._plan_from(plan_input, source="profile")
-
-    def _replan(self) -> None:
-        """Once, after a few checkpoints: re-plan if snapshots copy at another rate than
-        the plan assumed. Collective: every rank reaches it at the same iteration. If the
-        new plan moves a shard boundary (the same decision on every rank), every store
-        forgets its other versions but keeps the committed one restorable (budget
-        permitting), and the next checkpoint commits under the new layout."""
-        nbytes, seconds = self.writer.observed
-        rates = self.transport.all_gather_object(nbytes / seconds if seconds > 0 else None)
-        replan = self.rotation.replan_input(rates)
-        if replan is None:
-            return
-        plan_input, reason = replan
-        assert self.rotation.layout is not None
-        before = self.rotation.layout.shards()
-        self._resolve_commit()
-        self._quiesce()
-        if self.rank == 0:
-            plan_input.save(self.run_dir)
-        kept = self._plan_from(plan_input, source=reason)
-        if self.rotation.layout.shards() != before:
-            # shard layout moved: old versions must not mix with new ones, except the
-            # committed one, kept whole in its slot (its manifests describe its own
-            # layout): a crash before the first commit under the new layout restores it
-            self.store.clear_versions(keep=kept)
-            if kept is None:
-                self.commit.adopt(None)
-
-    def _plan_from(self, plan_input: PlanInput, source: str) -> int | None:
-        """Adopt ``plan_input``'s layout and allocate the store for it (collective).
-        Returns the committed version if it stayed restorable in every store."""
-        new_rotation = self.rotation.adopt(plan_input)
-        if new_rotation is None:
-            return None
-        if new_rotation:  # a new k: old payloads do not mix with the new rotation's
-            self.store.clear_versions()
-            self.commit.adopt(None)
-        lay = self.rotation.layout
-        assert lay is not None
-        kept = self.slots.allocate_everywhere(lay.sizes, keep=self.committed)
-        self.writer.use(lay, redundant=self.redundancy.kind != "none")
-        self.persisting.interval = lay.plan.interval_iters
-        if self.termination is not None:  # a SIGTERM flush comes within ~2 iterations
-            ranks = range(len(plan_input.ranks))
-            profiled = max(plan_input.bubbles(r).iteration_s for r in ranks)
-            self.termination.pace(profiled, profiled=True)  # until an iteration is timed
-        assert self.writer.exchange is not None
-        paths = self.writer.exchange.paths()
-        via = (
-            f"redundancy into rank {self.rank}: {paths['shm'] / 2**20:.1f} MiB/version from "
-            f"same-host stores, {paths['net'] / 2**20:.1f} MiB over the network"
-        )
-        log.info("checkpoint plan (%s): %s; %s; %s", source, lay.plan.reason, lay.k_reason, via)
-        return kept
+            self.adoption.adopt(saved, source="saved profile")
 
     # ------------------------------------------ what a restore needs (recover.Restorable)
     @property
@@ -297,9 +236,9 @@ class CheckpointEngine:
         }
         if self.rotation.layout is None:
             if self.rotation.profiled(iteration, timeline.to_json()):  # unfinished: so far
-                self._gather_and_plan()
+                self.adoption.from_profile()
         elif written and self.rotation.checkpoint_written():
-            self._replan()
+            self.adoption.replan(settle=self._settle)
 
     # ------------------------------------------------------------------ versions
     def _current(self, iteration: int) -> Version | None:
@@ -375,6 +314,11 @@ class CheckpointEngine:
         self._quiesce()
         self.persisting.flush(iteration, self.ck.timeouts.flush_s, self.ck.persist.dir)
         raise SystemExit(0)
+
+    def _settle(self) -> None:
+        """Before a re-plan: the version in flight resolved, and nothing reads the store."""
+        self._resolve_commit()
+        self._quiesce()
 
     def _quiesce(self) -> None:
         """Nothing may still read the store's mappings: they are about to be replaced
