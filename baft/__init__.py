@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch
 
         return protect
     if name == "run":
-        from baft.api import run
+        from baft.inprocess.run import run
 
         return run
     if name in _CONFIGS:

@@ -29,7 +29,7 @@ object as of the end of ``optimizer.step()``: advance your own counters before t
 Launch the script with torchrun, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and
 ``--max-restarts N``: after a crash every process restarts and ``restore`` brings back
 the newest version it can rebuild, bit-identical to where the loop was. With the loop in
-a function run through :func:`run` and ``torchrun ... -m baft.inprocess script.py``, only
+a function run through :func:`baft.run` and ``torchrun ... -m baft.inprocess script.py``, only
 the failed process restarts: the others re-enter the function (:mod:`baft.inprocess`).
 
 This is the one door to the engine: the reference trainer (``baft train``) goes through
@@ -39,15 +39,13 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 from __future__ import annotations
 
 import copy
-import gc
+import enum
 import logging
-import os
 import sys
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,9 +54,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
 from baft.engine.transport import destroy_group
-from baft.errors import is_refusal, refusal
-from baft.liveness import channel
-from baft.liveness.termination import hold_sigterm
+from baft.errors import refusal
+from baft.liveness import generation
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline.layout import (
     check_fsdp_supported,
@@ -69,12 +66,11 @@ from baft.pipeline.layout import (
 )
 from baft.pipeline.mesh import Mesh, mesh_from_user, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
-from baft.pipeline.step import StepResult, StepRunner
+from baft.pipeline.step import NOT_RESTORED, Phase, StepResult, StepRunner
 from baft.plan.names import is_extra
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
-T = TypeVar("T")
 
 
 def _mesh_from(
@@ -125,39 +121,80 @@ def _exchange_layouts(runner: StepRunner, mesh: Mesh) -> dict[str, str]:
     return {key: digest for key, digest, _ in digests}
 
 
+class _Phase(enum.Enum):
+    NEW = "new"
+    """Protected; faults may be armed; the loop raises until :meth:`Protected.restore`."""
+    RESTORING = "restoring"
+    """restore() began (a failed one never ends the job: close keeps the stores)."""
+    RUNNING = "running"
+    """Restored: every step is checkpointed."""
+    ENDED = "ended"
+    """Closed, or abandoned by an in-process recovery."""
+
+
+class _AfterStep:
+    """What follows every optimizer step of a protected loop: the progress record (a
+    later recovery counts the iterations it lost), the supervisor's progress message,
+    and the recovery report's first iteration. Built before the runner that calls it."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self._recording = False
+        self._report: Any = None
+
+    def start(self, report: Any) -> None:
+        """The engine runs: record progress from now on, and end ``report`` (a recovery's,
+        or None) at the first iteration."""
+        self._recording = True
+        self._report = report
+
+    def __call__(self, result: StepResult) -> None:
+        from baft.recover.report import write_progress
+
+        if self._recording:
+            write_progress(self.run_dir, self.rank, result.iteration)
+        link = generation.current()
+        if link is not None:
+            link.progress()
+        if self._report is not None:
+            self._report.first_iteration_done(self.rank == 0)
+            self._report = None
+
+
 class Protected:
-    """A user's pipeline training loop with baft's checkpointing and recovery."""
+    """A user's pipeline training loop with baft's checkpointing and recovery: what
+    :func:`protect` returns, built whole from the runner, watchdog and mesh it made."""
 
     def __init__(
         self,
         runner: StepRunner,
         mesh: Mesh,
-        run_dir: str,
+        run_dir: str | Path,
         checkpoint: CheckpointConfig,
-        watchdog: Watchdog | NoWatchdog | None = None,
+        *,
+        watchdog: Watchdog | NoWatchdog,
+        after_step: _AfterStep,
+        own_mesh: DeviceMesh | None = None,
     ) -> None:
         self.runner = runner
         self.mesh = mesh
         self.run_dir = Path(run_dir)
         self.checkpoint = checkpoint
-        self.watchdog = watchdog or NoWatchdog()
+        self.watchdog = watchdog
         """Heartbeat and hang detection (see :mod:`baft.liveness.watchdog`)."""
         self.engine: Any = None
-        ch = channel.current()
+        self.own_mesh = own_mesh
+        """The DeviceMesh protect() made (no ``device_mesh`` given): close() ends its groups."""
+        self._after_step = after_step
+        self._phase = _Phase.NEW
+        self._faults: list[str] = []
+        link = generation.current()
         # about the process start (or its re-entry in-process): the restart phase ends here
-        self._t_launch = ch.entered_at if ch is not None else T_IMPORT
+        self._t_launch = link.entered_at if link is not None else T_IMPORT
         self._t_ready = time.time()
         """Process group up and model built (the rendezvous phase ends here)."""
-        self._report: Any = None
-        self._restored = False
-        self._faults: list[str] = []
-        self._started = False
-        self.own_mesh: DeviceMesh | None = None
-        """The DeviceMesh protect() made (no ``device_mesh`` given): close() ends its groups."""
-        runner.section = self.watchdog.section
-        runner.on_step_end.append(self._after_step)
-        runner.before_restore = self._not_restored  # the loop raises until restore()
-        _LIVE.add(self)
+        generation.join(self)  # an in-process recovery abandons it
 
     @property
     def state(self) -> Any:
@@ -174,20 +211,13 @@ class Protected:
         """The iteration (version) the next ``optimizer.step()`` ends."""
         return self.runner.iteration
 
-    def _not_restored(self) -> None:
-        raise RuntimeError(
-            "step() before restore(): call start = ft.restore() first (it opens the "
-            "snapshot stores and returns the iteration to resume from); without it "
-            "nothing would be checkpointed"
-        )
-
     def inject(self, faults: Sequence[str]) -> None:
         """Arm failure injections (:mod:`baft.faults` specs such as ``kill:rank=1,iter=7``
         or ``node:1,iter=9``) for this process: tests, demos and drills of your own loop.
         Call before :meth:`restore`; a bad spec raises ValueError here."""
         from baft.faults.spec import FaultSpec
 
-        if self._restored:
+        if self._phase is not _Phase.NEW:
             raise RuntimeError("inject() after restore(): arm faults before ft.restore()")
         for spec in faults:
             FaultSpec.parse(spec)
@@ -200,30 +230,30 @@ class Protected:
         from baft.engine.build import build_engine
         from baft.recover.runtime import recover_and_start
 
-        if self._restored:
+        if self._phase is not _Phase.NEW:
             raise RuntimeError(
                 "restore() was already called: call it once, before the first step()"
             )
-        self._restored = True
-        self.runner.before_restore = None
-        self.runner.paused = True  # a restore may replay optimizer steps: no hooks then
+        self._phase = _Phase.RESTORING
+        self.runner.begin_restore()  # a restore may replay optimizer steps: no hooks then
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self.watchdog.section("restore"):
             t_build = time.time()
             self.engine = build_engine(
-                self.checkpoint, self.run_dir, self.mesh, self.runner, faults=self._faults
-            )
+                self.checkpoint, self.run_dir, self.mesh, self.runner,
+                faults=self._faults, absent=self.watchdog.absent_peer,
+            )  # fmt: skip
             t_built = time.time()
-            resume, self._report = recover_and_start(
+            resume, report = recover_and_start(
                 self.engine, self.run_dir, t_launch=self._t_launch, t_rdzv=self._t_ready
             )
-            if self._report is not None:
-                self._report.phase("build_engine", t_built - t_build)
-        self._started = True  # a failed restore never ends the job (close keeps stores)
-        self.runner.iteration = resume
+            if report is not None:
+                report.phase("build_engine", t_built - t_build)
+        self._phase = _Phase.RUNNING
+        self._after_step.start(report)
         # The restored state holds the first process's shape-inference side effects.
         self.runner.protected.undo_inference = resume > 0
-        self.runner.paused = False
+        self.runner.end_restore(resume)
         # Version ``resume`` is the state now, at the top of the loop (after a restore:
         # the restored state itself; on a fresh job: whatever the script set up).
         self.runner.state.check_live()  # e.g. optimizer.load_state_dict after protect()
@@ -255,26 +285,14 @@ class Protected:
         """Shorthand for one loop body without clipping or a scheduler: ``zero_grad``,
         ``schedule.step``, DP averaging, ``optimizer.step()``; returns the mean
         microbatch loss on the last stage."""
-        if not self._restored:
-            self._not_restored()
+        if self._phase is _Phase.NEW:
+            raise RuntimeError(NOT_RESTORED)
         return self.runner.run_step(iteration, inputs, target).loss
 
     def average_gradients(self) -> None:
         """Average the gradients over the DP replicas (with dp > 1): call it after
         ``schedule.step(...)``, before clipping and ``optimizer.step()``."""
         self.runner.average_gradients()
-
-    def _after_step(self, result: StepResult) -> None:
-        from baft.recover.report import write_progress
-
-        if self.engine is not None:  # a later recovery counts the iterations it lost
-            write_progress(self.run_dir, self.mesh.rank, result.iteration)
-        ch = channel.current()
-        if ch is not None:
-            ch.progress()
-        if self._report is not None:
-            self._report.first_iteration_done(self.mesh.rank == 0)
-            self._report = None
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -289,17 +307,23 @@ class Protected:
         (the log says whether the newest version is persisted to DCP); otherwise they stay
         for a restart."""
         if self.engine is not None:
-            finished = self._started and not self.runner.in_iteration and sys.exc_info()[0] is None
+            finished = (
+                self._phase is _Phase.RUNNING
+                and not self.runner.in_iteration
+                and sys.exc_info()[0] is None
+            )
             with self.watchdog.section("close"):
                 ended = self.engine.close(finished=finished)
-            ch = channel.current()
-            if ch is not None:
-                ch.closed(ended)
+            link = generation.current()
+            if link is not None:
+                link.closed(ended)
+        self._phase = _Phase.ENDED
         self.runner.close()
         self.watchdog.stop()
         if self.own_mesh is not None:  # made by protect(): its groups are ours to end
             _end_groups(self.own_mesh)
             self.own_mesh = None
+        generation.leave(self)
 
     def abandon(self) -> None:
         """The job's process groups broke and an in-process recovery is under way: stop
@@ -308,131 +332,11 @@ class Protected:
         if self.engine is not None:
             self.engine.abandon()
             self.engine = None
+        self._phase = _Phase.ENDED
         self.watchdog.abandon()
         self.runner.close()
         self.own_mesh = None  # its groups go with the default group
-        _LIVE.discard(self)
-
-
-_LIVE: weakref.WeakSet[Protected] = weakref.WeakSet()
-"""Every open :class:`Protected` of this process (what a recovery abandons)."""
-
-ABORT_WAIT_S = 2.0
-"""After the training function raised: how long to wait for a recovery announced by the
-supervisors (a peer's failure is what broke this rank's collective) before reporting the
-error as this rank's own failure."""
-
-
-def run(main: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run the training function ``main(*args, **kwargs)`` and return its result.
-
-    Under ``torchrun ... -m baft.inprocess script.py`` (see :mod:`baft.inprocess`), when
-    any rank fails, every surviving process re-enters ``main`` in the same process, in the
-    job's next generation of process groups (``MASTER_PORT`` then names its store), and
-    the failed process is replaced; ``ft.restore()`` inside ``main`` brings the newest
-    committed version back from memory, each survivor from its own store. Everything built
-    inside ``main`` is built again (it holds the old generation's groups); what lives
-    outside it (a dataset, a tokenizer, imports) stays. TCP connections opened inside
-    ``main`` are shut down when a peer fails (that is how a blocked gloo collective is
-    aborted). Without the supervisor this is just ``main(*args, **kwargs)``."""
-    ch = channel.current()
-    if ch is None:
-        return main(*args, **kwargs)
-    ch.keep_connections()  # what the script opened so far (module level) is not aborted
-    hold_sigterm()  # a preemption during a recovery is flushed by the next generation
-    rng = _RandomState.take()  # every entry starts from it, as a fresh process would
-    # What exists now (torch, the script's imports and globals) lives for the process:
-    # out of the collector's sight, the collection after an abort scans only what the
-    # failed generation built (0.45-0.6 s per full collection of an unfrozen heap, here)
-    gc.freeze()
-    while True:
-        try:
-            result = main(*args, **kwargs)
-        except Exception as e:  # SystemExit (a SIGTERM flush) and KeyboardInterrupt pass
-            what = f"{type(e).__name__}: {e}"
-            if is_refusal(e) and ch.pending() is None:
-                log.error("baft: the training function refused: %s", what)
-                ch.refused(what)
-                raise
-            # a timed-out wait: a peer is hung and no supervisor saw a failure, so none
-            # will announce a recovery; any other error may be a peer's death: wait for it
-            wait_s = 0.0 if _timed_out(e) else ABORT_WAIT_S
-            if not ch.wait_for_generation(wait_s):
-                log.error("baft: the training function raised: %s", what)
-                ch.failed(what)
-                ch.wait_for_generation(None)  # the supervisor announces one, or ends us
-        else:
-            if ch.close_agreed is not False and ch.pending() is None:
-                ch.ended()  # the job's end: what follows is this rank's own work
-                return result
-            # close() found no agreement (a peer failed in the last iteration): the
-            # supervisors recover it, and this rank re-enters with the others
-            if not ch.wait_for_generation(ABORT_WAIT_S):
-                ch.failed("ft.close() found no agreement on the job's end (a peer is gone)")
-                ch.wait_for_generation(None)
-        _abandon_generation(ch)
-        rng.put()
-        gen = ch.enter()
-        log.warning(
-            "baft: in-process recovery, generation %d (%s): re-entering the training "
-            "function in process %d", gen.number, gen.cause, os.getpid(),
-        )  # fmt: skip
-
-
-def _timed_out(error: BaseException) -> bool:
-    """Whether ``error`` is a bounded wait that ran out (gloo's, the c10d store's, or a
-    TimeoutError), not a connection a peer's death broke."""
-    text = str(error).lower()
-    return isinstance(error, TimeoutError) or "timed out" in text or "wait timeout" in text
-
-
-class _RandomState:
-    """The process's global random generators as ``baft.run`` found them (torch's CPU and
-    CUDA ones, Python's ``random``, NumPy's legacy one): a survivor re-enters the
-    training function with them as the replacement, a fresh process, has them, whatever
-    the failed generation drew (a fresh start from iteration 0, or a script seeding
-    only at module level, stays bit-identical)."""
-
-    def __init__(self, cpu: torch.Tensor, cuda: list[torch.Tensor] | None, py: Any, np_: Any):
-        self.cpu, self.cuda, self.py, self.np = cpu, cuda, py, np_
-
-    @classmethod
-    def take(cls) -> _RandomState:
-        import random
-
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        np_state = None
-        if "numpy" in sys.modules:
-            np_state = sys.modules["numpy"].random.get_state()
-        return cls(torch.get_rng_state(), cuda, random.getstate(), np_state)
-
-    def put(self) -> None:
-        import random
-
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.py)
-        if self.np is not None:
-            sys.modules["numpy"].random.set_state(self.np)
-
-
-def _abandon_generation(ch: channel.Channel) -> None:
-    """Everything of the aborted generation goes: baft's engines and watchdogs, the
-    sockets opened since, every process group; then the garbage (old model, optimizer,
-    groups) before the function builds them again."""
-    for protected in list(_LIVE):
-        try:
-            protected.abandon()
-        except Exception as e:  # noqa: BLE001 - keep going: the next generation needs the rest
-            log.warning("baft: abandoning the old generation: %s", e)
-    ch.abort_again()
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001
-            log.debug("destroy_process_group after an abort: %s", e)
-    gc.collect()
+        generation.leave(self)
 
 
 def _end_groups(mesh: DeviceMesh) -> None:
@@ -491,8 +395,8 @@ def protect(
         refusal(e)
         raise
     try:
-        protected = _protect_on(
-            mesh, schedule, stages, modules, optimizer, run_dir, checkpoint, state,
+        return _protect_on(
+            mesh, own_mesh, schedule, stages, modules, optimizer, run_dir, checkpoint, state,
             average_gradients, extra_capacity_bytes,
         )  # fmt: skip
     except BaseException as e:
@@ -501,12 +405,11 @@ def protect(
         if isinstance(e, ValueError):
             refusal(e)
         raise
-    protected.own_mesh = own_mesh
-    return protected
 
 
 def _protect_on(
     mesh: Mesh,
+    own_mesh: DeviceMesh | None,
     schedule: Any,
     stages: list[PipelineStage],
     modules: list[torch.nn.Module],
@@ -532,23 +435,35 @@ def _protect_on(
         average_gradients, averaged_by = False, "FSDP2"
     else:
         averaged_by = ""
-    runner = StepRunner(
-        mesh=mesh,
-        modules=modules,
-        stages=stages,
-        schedule=schedule,
-        optimizer=optimizer,
-        num_dp=mesh.topology.num_dp,
-        num_tp=mesh.topology.num_tp,
-        state=state,
-        extra_capacity_bytes=extra_capacity_bytes,
-        average_gradients=average_gradients,
-    )
-    runner.averaged_by = averaged_by
+    # The watchdog first: every wait from here on (the layouts' collective) is bounded
+    # and watched, and the runner is built with its sections.
+    watchdog = start_watchdog(mesh, stages, ck.timeouts.collective_s, run_dir)
+    after_step = _AfterStep(Path(run_dir), mesh.rank)
+    runner = None
     try:
+        runner = StepRunner(
+            mesh=mesh,
+            modules=modules,
+            stages=stages,
+            schedule=schedule,
+            optimizer=optimizer,
+            num_dp=mesh.topology.num_dp,
+            num_tp=mesh.topology.num_tp,
+            state=state,
+            extra_capacity_bytes=extra_capacity_bytes,
+            average_gradients=average_gradients,
+            averaged_by=averaged_by,
+            phase=Phase.UNRESTORED,
+            section=watchdog.section,
+            on_step_end=[after_step],
+            wait_timeout_s=ck.timeouts.collective_s,
+        )
         runner.layout_digests = _exchange_layouts(runner, mesh)
-    except ValueError:
-        runner.close()  # the schedule and optimizer are the user's again
+    except BaseException:
+        if runner is not None:
+            runner.close()  # the schedule and optimizer are the user's again
+        watchdog.stop()
         raise
-    watchdog = start_watchdog(mesh, runner, ck.timeouts.collective_s, run_dir)
-    return Protected(runner, mesh, run_dir, ck, watchdog)
+    return Protected(
+        runner, mesh, run_dir, ck, watchdog=watchdog, after_step=after_step, own_mesh=own_mesh
+    )

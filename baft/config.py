@@ -12,7 +12,9 @@ live with the app: :mod:`baft.train.config`.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointPolicy",
     "ExchangeConfig",
+    "InprocessTimeouts",
     "PersistConfig",
     "StoreConfig",
     "TimeoutConfig",
@@ -85,13 +88,59 @@ class ExchangeConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TimeoutConfig:
-    """Every bounded wait."""
+    """Every bounded wait of the library. In-process recovery's bounds are
+    :class:`InprocessTimeouts`: its supervisors start before the training script, so they
+    come from the environment, not from the config the script passes."""
 
     collective_s: float = 60.0
     """Timeout of every collective and transfer: how long a hung peer can stall the job
     (the watchdog ends a process whose peer froze about this long)."""
     flush_s: float = 20.0
     """Longest a SIGTERM flush may take (torchrun kills workers 30 s after its SIGTERM)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InprocessTimeouts:
+    """Every bound of in-process recovery (:mod:`baft.inprocess`); set each with its
+    environment variable, ``BAFT_INPROCESS_`` + the field's name in capitals (e.g.
+    ``BAFT_INPROCESS_STUCK_S=2``), for the supervisors and training processes alike."""
+
+    stuck_s: float = 1.0
+    """Seconds a training thread has to take an announced generation (a survivor's abort
+    and re-entry take well under one here) before its process counts as hung."""
+    unresponsive_s: float = 2.0
+    """Beyond ``stuck_s``: how long a process told of a generation may stay silent (it
+    cannot even say it is stuck: stopped) before its supervisor replaces it."""
+    peer_silence_s: float = 5.0
+    """A peer supervisor silent this long (its host is gone): group restart."""
+    abort_wait_s: float = 2.0
+    """After the training function raised: how long to wait for a recovery announced by
+    the supervisors (a peer's failure broke this rank's collective) before reporting the
+    error as this rank's own failure."""
+    store_s: float = 60.0
+    """Timeout of the supervisors' control store and of a generation's store (opening it,
+    publishing its port)."""
+    hold_sigterm_s: float = 10.0
+    """Seconds a SIGTERM that came between two generations waits for the next one's
+    engine to flush it before the process leaves."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> InprocessTimeouts:
+        """The defaults, each overridden by ``BAFT_INPROCESS_<FIELD>`` when set."""
+        env = os.environ if environ is None else environ
+        out: dict[str, float] = {}
+        for name in cls.__dataclass_fields__:
+            raw = env.get(f"BAFT_INPROCESS_{name.upper()}")
+            if raw is not None:
+                try:
+                    out[name] = float(raw)
+                except ValueError:
+                    raise ValueError(
+                        f"BAFT_INPROCESS_{name.upper()}={raw!r}: expected seconds (a number)"
+                    ) from None
+                if out[name] <= 0:
+                    raise ValueError(f"BAFT_INPROCESS_{name.upper()}={raw}: must be > 0")
+        return cls(**out)
 
 
 MOVED: dict[str, str] = {

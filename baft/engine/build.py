@@ -11,7 +11,7 @@ measurement harness all build engines through it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +150,15 @@ def build_engine(
     transport: Transport | None = None,
     persist: bool = True,
     faults: Sequence[str] = (),
+    absent: Callable[[], str | None] = lambda: None,
 ) -> CheckpointEngine:
     """Build the engine of this rank and install it as ``runner``'s hooks. Collective.
 
     ``scheduling``: when snapshot tasks start (default :class:`BubbleAware`; a baseline
     passes :class:`~baft.engine.scheduling.AllAtStart`); ``persist=False`` builds no DCP
     persister; ``faults``: failure injections (:mod:`baft.faults` specs) the engine fires
-    at their points (tests, the demo; ``Protected.inject`` hands them here)."""
+    at their points (tests, the demo; ``Protected.inject`` hands them here); ``absent``:
+    why a peer can no longer vote on a SIGTERM flush (the running watchdog's probe)."""
     scheduling = scheduling if scheduling is not None else BubbleAware()
     run_dir = Path(run_dir)
     transport = transport or GlooTransport(ck.timeouts.collective_s)
@@ -204,7 +206,7 @@ def build_engine(
         persister=persister,
         injector=make_injector(faults, ck, run_dir, mesh),
         termination=(
-            Termination(max_grace_s=ck.timeouts.flush_s).install()
+            Termination(max_grace_s=ck.timeouts.flush_s, absent=absent).install()
             if persister and ck.persist.flush_on_sigterm
             else None
         ),

@@ -11,6 +11,7 @@ measuring): ``idle`` (default) the protect worker and the snapshot copy thread,
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -20,7 +21,6 @@ log = logging.getLogger("baft")
 ENV = "BAFT_BACKGROUND_PRIORITY"
 """``idle`` (default), ``worker`` or ``normal``."""
 VALUES = ("idle", "worker", "normal")
-_warned = False
 
 
 def background_priority() -> str:
@@ -47,7 +47,6 @@ def set_thread_idle(native_id: int, idle: bool) -> bool:
     thread waits for it (the worker's drain at the step), any runnable thread of another
     rank starves it. So whoever waits raises it for the wait and lowers it again after.
     """
-    global _warned
     setter = getattr(os, "sched_setscheduler", None)
     policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
     if setter is None or policy is None:
@@ -55,11 +54,15 @@ def set_thread_idle(native_id: int, idle: bool) -> bool:
     try:
         setter(native_id, policy, os.sched_param(0))
     except OSError as err:
-        if not _warned:
-            _warned = True
-            log.info("background checkpoint threads keep normal priority: %s", err)
+        _warn_normal_priority(str(err))
         return False
     return True
+
+
+@functools.cache
+def _warn_normal_priority(err: str) -> None:
+    """Once per reason (a cache, not a module flag)."""
+    log.info("background checkpoint threads keep normal priority: %s", err)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from baft.engine.transport import Handle, Transport
-from baft.liveness.channel import check_aborted
+from baft.liveness.generation import check_aborted
 from baft.store.coding import GroupLayout, Region
 from baft.store.hashing import copy_hashing
 from baft.store.manifest import checksum

@@ -15,7 +15,13 @@ function run through :func:`baft.run`::
     if __name__ == "__main__":
         baft.run(main)
 
-:mod:`.supervisor` (the process torchrun starts) holds the training process
-(:mod:`.child`); :mod:`.control` is the supervisors' shared store; :mod:`.policy` says
-when to give up and let torchrun restart the group.
+Both ends live here. The supervisor's: :mod:`.supervisor` (the process torchrun starts)
+holds the training process (:mod:`.child`); :mod:`.control` is the supervisors' shared
+store; :mod:`.policy` says when to give up and let torchrun restart the group. The
+training process's: :mod:`.channel` (its pipe to the supervisor, the abort of a
+generation's sockets by :mod:`.sockets`, a SIGTERM held between generations) and
+:mod:`.run` (``baft.run``: re-enter the training function). They talk in
+:mod:`.messages`. The library (api, engine, recover, watchdog) sees none of it: it reads
+:mod:`baft.liveness.generation`, which the channel fills in. Every bound is an
+:class:`~baft.config.InprocessTimeouts` field.
 """

@@ -4,7 +4,7 @@ Started from a forkserver that imported torch and baft once (:mod:`.supervisor`)
 replacement process pays neither the interpreter's start nor torch's import. It sets
 its environment for the generation it joins (``MASTER_PORT`` = that generation's store,
 ``TORCHELASTIC_USE_AGENT_STORE=True``: the supervisor hosts the store, so no rank's
-``init_process_group`` tries to), installs its :class:`~baft.liveness.channel.Channel`
+``init_process_group`` tries to), installs its :class:`~baft.inprocess.channel.Channel`
 and runs the script (``runpy``) exactly as ``python script.py args`` or
 ``python -m module args`` would.
 """
@@ -21,7 +21,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from baft.liveness.channel import GENERATION_ENV, Channel, Generation, install
+from baft.inprocess.channel import Channel
+from baft.liveness import generation as link
+from baft.liveness.generation import GENERATION_ENV, Generation
 
 _PR_SET_NAME = 15
 
@@ -88,7 +90,7 @@ def child_main(target: Target, conn: Any, generation: Generation) -> None:
     os.environ["MASTER_PORT"] = str(generation.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ[GENERATION_ENV] = str(generation.number)
-    install(Channel(conn, generation, rank))
+    link.install(Channel(conn, generation, rank))
     sys.argv = [target.path, *target.args]
     if target.module:
         runpy.run_module(target.path, run_name="__main__", alter_sys=True)

@@ -16,6 +16,8 @@ Keys (under ``baft-inprocess/``):
   every rank: the job ended, a failure after it is the rank's own (no recovery).
 - ``giveup``: why in-process recovery gave up: every supervisor stops its child and
   exits non-zero, and torchrun restarts the group.
+- ``refused``: why a training function refused (:class:`baft.errors.Refusal`): every
+  attempt would refuse again, so every supervisor ends the job without a restart.
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ class Control:
             host, port, world_size, is_master=rank == 0,
             timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
         )  # fmt: skip
+        self.listen_port = store.port
+        """Where the control store listens (``port``, or the one chosen for port 0)."""
         self.store: Any = dist.PrefixStore(PREFIX, store)  # stubs lack append()
         if rank == 0:
+            for r in range(world_size):  # present from the start: one multi_get reads all
+                self.store.compare_set(f"beat/{r}", "", "")
             self.store.set("gen", "0")
         self._gen_stores: dict[int, dist.TCPStore] = {}
         """Rank 0: the generation stores it hosts (the newest two are kept)."""
@@ -96,14 +102,14 @@ class Control:
         self.store.set(f"beat/{self.rank}", str(seq))
 
     def beats(self) -> dict[int, bytes]:
-        """Every peer's heartbeat and whether it finished (``b"done"``)."""
+        """Every started peer's heartbeat, or ``b"done"`` once it finished: one read of
+        the store for all of them (the keys exist from the start, empty until a peer's
+        first beat)."""
         peers = [r for r in range(self.world_size) if r != self.rank]
-        keys = [f"beat/{r}" for r in peers]
-        present = [r for r, k in zip(peers, keys, strict=True) if self.store.check([k])]
-        if not present:
+        if not peers:
             return {}
-        values = self.store.multi_get([f"beat/{r}" for r in present])
-        return dict(zip(present, values, strict=True))
+        values = self.store.multi_get([f"beat/{r}" for r in peers])
+        return {r: v for r, v in zip(peers, values, strict=True) if v}
 
     def finished(self) -> None:
         self.store.set(f"beat/{self.rank}", "done")
@@ -116,6 +122,12 @@ class Control:
         """Whether some rank's training function returned after the job's agreed end
         (``ft.close()`` agreed on every rank): no failure is recovered any more."""
         return bool(self.store.check(["ended"]))
+
+    def refuse(self, reason: str) -> None:
+        self.store.compare_set("refused", "", reason)
+
+    def refused(self) -> str | None:
+        return self.store.get("refused").decode() if self.store.check(["refused"]) else None
 
     def give_up(self, reason: str) -> None:
         self.store.compare_set("giveup", "", reason)

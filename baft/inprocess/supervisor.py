@@ -14,7 +14,7 @@ supervisor instead, which never exits on a recoverable failure:
 3. **A failure** (its child died, or raised and reported it, or a watchdog named a
    frozen rank) moves the job to the next generation. Every supervisor then tells its
    child, whose channel aborts the old generation's connections at once, so the
-   survivors' training functions re-enter in the same process (:func:`baft.api.run`):
+   survivors' training functions re-enter in the same process (:func:`baft.run`):
    they keep the interpreter, imports, whatever lives outside the function, the store
    mappings, and on GPUs the CUDA context. The failed rank's supervisor forks a
    replacement (and kills a frozen child first). All meet in the new generation's store
@@ -30,7 +30,7 @@ supervisor instead, which never exits on a recoverable failure:
    recovered, and rank 0's supervisor keeps the control store up until every rank's
    child exited.
 7. **A hung training thread** (it does not take an announced generation, see
-   :data:`baft.liveness.channel.STUCK_S`) is killed and replaced like a dead one.
+   :attr:`baft.config.InprocessTimeouts.stuck_s`) is killed and replaced like a dead one.
 """
 
 from __future__ import annotations
@@ -40,16 +40,18 @@ import multiprocessing
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from types import FrameType
 from typing import Any
 
+from baft.config import InprocessTimeouts
+from baft.inprocess import messages as msg
 from baft.inprocess.child import Target, child_main
 from baft.inprocess.control import Control
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
-from baft.liveness.channel import STUCK_S, Generation
+from baft.liveness.generation import Generation
 
 log = logging.getLogger("baft")
 
@@ -65,31 +67,25 @@ PRELOAD = [
 heavy imports with ``BAFT_INPROCESS_PRELOAD=pkg.a,pkg.b`` (modules, imported, not run)."""
 GIVE_UP_EXIT = 75
 """A supervisor's status when in-process recovery gave up (torchrun restarts the group)."""
-UNRESPONSIVE_S = 2.0
-"""Beyond the channel's own ``STUCK_S``: how long a child told of a generation may stay
-silent before its supervisor takes it for stopped and replaces it."""
 REFUSED_EXIT = 78
 """A supervisor's status when the training function refused (:class:`baft.errors.Refusal`):
 the job ends, torchrun's agent stopped so that it does not restart it."""
-REFUSED = "refused: "
-"""How a refusal is told apart from giving up in the control store's ``giveup`` key."""
 
 
 @dataclass
 class Options:
     max_failures: int = 3
     """More failures of one rank in a launch attempt than this: group restart."""
-    peer_silence_s: float = 5.0
-    """A peer supervisor silent this long (its host is gone): group restart."""
+    timeouts: InprocessTimeouts = field(default_factory=InprocessTimeouts)
+    """Every bound (``BAFT_INPROCESS_*``, see :class:`~baft.config.InprocessTimeouts`)."""
     poll_s: float = 0.02
     """How often the control store is read."""
 
     @classmethod
     def from_env(cls) -> Options:
-        e = os.environ
         return cls(
-            max_failures=int(e.get("BAFT_INPROCESS_MAX_FAILURES", "3")),
-            peer_silence_s=float(e.get("BAFT_INPROCESS_PEER_SILENCE_S", "5")),
+            max_failures=int(os.environ.get("BAFT_INPROCESS_MAX_FAILURES", "3")),
+            timeouts=InprocessTimeouts.from_env(),
         )
 
 
@@ -103,7 +99,7 @@ class Supervisor:
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.control = Control(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.rank,
-            self.world_size, timeout_s=60.0,
+            self.world_size, timeout_s=options.timeouts.store_s,
         )  # fmt: skip
         self.ledger = Ledger(options.max_failures)
         self.ctx = multiprocessing.get_context("forkserver")
@@ -133,14 +129,15 @@ class Supervisor:
     # ------------------------------------------------------------------ child
     def _generation(self, g: int) -> Generation:
         """Generation ``g`` with its store port (waits for rank 0's supervisor to open it)."""
-        deadline = time.monotonic() + 60.0
+        limit = self.options.timeouts.store_s
+        deadline = time.monotonic() + limit
         while True:
             port = self.control.host_generation(g) if self.rank == 0 else self.control.port(g)
             if port is not None:
                 cause, at = self.control.describe(g)
                 return Generation(g, port, cause, at)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no store for generation {g} after 60 s")
+                raise RuntimeError(f"no store for generation {g} after {limit:.0f} s")
             time.sleep(self.options.poll_s)
 
     def _spawn(self, g: int) -> None:
@@ -217,10 +214,12 @@ class Supervisor:
                 continue
             if self.terminating or self.ended:
                 continue
+            refused = self.control.refused()
+            if refused is not None:
+                return self._end_job(refused)
             reason = self.control.given_up()
             if reason is not None:
-                refused = reason.startswith(REFUSED)
-                return self._stop(reason if refused else f"another rank gave up: {reason}")
+                return self._stop(f"another rank gave up: {reason}")
             self._follow(self.control.generation())
             self._check_unresponsive()
             silent = self._watch_peers()
@@ -230,29 +229,31 @@ class Supervisor:
     def _read_messages(self) -> None:
         while self.conn is not None and self.conn.poll():
             try:
-                msg = self.conn.recv()
+                message = self.conn.recv()
             except (EOFError, OSError):
                 self.conn = None
                 return
-            kind, g = msg[0], int(msg[1])
-            if kind == "progress":
+            self._on_message(message)
+
+    def _on_message(self, message: msg.Up) -> None:
+        match message:
+            case msg.Progress(g):
                 self.ledger.progress(g)
-            elif kind == "entered":
+            case msg.Entered(g):
                 self.entered_gen = max(self.entered_gen, g)
                 if self.entered_gen >= self.child_gen:
                     self._told_at = None
-            elif kind == "stuck" and g == self.control.generation():
+            case msg.Stuck(g) if g == self.control.generation():
                 self._replace_stuck(g)
-            elif kind == "ended":
+            case msg.Ended():
                 self.ended = True
                 self.control.ended()
-            elif kind == "refused":
-                self.control.give_up(f"{REFUSED}rank {self.rank}: {msg[2]}")
-            elif kind == "failed" and g >= self.control.generation():
-                self._failure(g, f"rank {self.rank} raised: {msg[2]}")
-            elif kind == "suspect":
-                ranks = list(msg[2])
-                self.control.begin(g, f"rank {self.rank}'s watchdog: {msg[3]}", kill=ranks)
+            case msg.Refused(_, reason):
+                self.control.refuse(f"rank {self.rank}: {reason}")
+            case msg.Failed(g, reason) if g >= self.control.generation():
+                self._failure(g, f"rank {self.rank} raised: {reason}")
+            case msg.Suspect(g, ranks, reason):
+                self.control.begin(g, f"rank {self.rank}'s watchdog: {reason}", kill=ranks)
 
     def _failure(self, g: int, cause: str) -> None:
         why = self.ledger.failure(g)
@@ -281,9 +282,9 @@ class Supervisor:
         if code == 0 or self.terminating or self.ended:
             self.control.finished()
             return code
-        reason = self.control.given_up()
-        if reason is not None and reason.startswith(REFUSED):
-            return self._stop(reason)
+        refused = self.control.refused()
+        if refused is not None:
+            return self._end_job(refused)
         if self.control.job_ended():  # died after the job's agreed end: nothing to rejoin
             log.error(
                 "baft supervisor %d: rank %d's process failed (status %d) after the job "
@@ -313,7 +314,7 @@ class Supervisor:
         if g > self.child_gen and self.conn is not None:
             gen = self._generation(g)
             try:
-                self.conn.send(("gen", gen.number, gen.port, gen.cause, gen.began_at))
+                self.conn.send(msg.Announce(gen))
             except (OSError, ValueError):
                 pass
             self.child_gen = g
@@ -321,14 +322,15 @@ class Supervisor:
 
     def _check_unresponsive(self) -> None:
         """A child told of a generation that neither entered it nor said it is stuck
-        within ``STUCK_S + UNRESPONSIVE_S`` cannot answer at all (stopped: SIGSTOP, a hung
+        within ``stuck_s + unresponsive_s`` cannot answer at all (stopped: SIGSTOP, a hung
         kernel; its channel thread is frozen too): replace it like a stuck one. This
         closes the race where the peers' timed-out waits start a generation before any
         watchdog named the frozen rank, so no kill list names it."""
         told = self._told_at
         if told is None or self.entered_gen >= self.child_gen or self.child.exitcode is not None:
             return
-        if time.monotonic() - told > STUCK_S + UNRESPONSIVE_S:
+        bound = self.options.timeouts.stuck_s + self.options.timeouts.unresponsive_s
+        if time.monotonic() - told > bound:
             self._replace_stuck(self.child_gen)
 
     def _watch_peers(self) -> list[int]:
@@ -345,11 +347,9 @@ class Supervisor:
             elif r not in self._done and self._peer_seen.get(r, (b"", 0.0))[0] != raw:
                 self._peer_seen[r] = (raw, now)
         last = {r: at for r, (_, at) in self._peer_seen.items()}
-        return silent_peers(now, last, self.options.peer_silence_s)
+        return silent_peers(now, last, self.options.timeouts.peer_silence_s)
 
     def _stop(self, reason: str) -> int:
-        if reason.startswith(REFUSED):
-            return self._end_job(reason[len(REFUSED) :])
         log.error(
             "baft supervisor %d: in-process recovery gives up (%s): group restart",
             self.rank,

@@ -11,9 +11,9 @@ moved) and this host's ``/proc``:
   the crashed rank never votes, and waiting out the grace for it only delays the restart.
 
 The rule is pure (:func:`absent`, every time and process state passed in); the ``/proc``
-readers below are its inputs on Linux. The running watchdog registers itself as the
-process's witness (:func:`set_witness`); the SIGTERM handling asks :func:`absent_peer`
-(None without a watchdog). A process start time (clock ticks since boot)
+readers below are its inputs on Linux. The running watchdog applies it to what it saw
+(``Watchdog.absent_peer``), and the engine's SIGTERM handling is built with that probe.
+A process start time (clock ticks since boot)
 tells a reused pid apart from the process that sent the heartbeat.
 """
 
@@ -114,21 +114,3 @@ def absent(
         if silent > quiet_s:
             return f"rank {worst.rank} has not sent a heartbeat for {silent:.1f} s"
     return None
-
-
-_WITNESS: dict[str, Callable[[], str | None]] = {}
-"""The process's one source of evidence (key ``"peers"``): its running watchdog."""
-
-
-def set_witness(probe: Callable[[], str | None] | None) -> None:
-    """Register the running watchdog's probe (None: it stopped)."""
-    if probe is None:
-        _WITNESS.pop("peers", None)
-    else:
-        _WITNESS["peers"] = probe
-
-
-def absent_peer() -> str | None:
-    """Why some peer can no longer take part, by the running watchdog; None without one."""
-    probe = _WITNESS.get("peers")
-    return probe() if probe is not None else None

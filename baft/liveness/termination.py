@@ -16,8 +16,8 @@ it would have without baft, as soon as one of these holds, so that the restart i
 held up (its memory stores keep the newest version for the restart):
 
 - a peer can no longer vote: its process on this host has exited, or its heartbeat (or
-  the store) has been silent for three beats (asked of the running watchdog,
-  :func:`baft.liveness.absence.absent_peer`; checked at once and every 50 ms);
+  the store) has been silent for three beats (asked of the running watchdog, the
+  ``absent`` probe the engine is built with; checked at once and every 50 ms);
 - the process is leaving without an agreed flush (an error ended training: a collective
   with the dead rank broke), where the interpreter's finalization would take seconds;
 - the grace period ran out: three iterations and at least 5 s (see :meth:`pace`), the
@@ -36,11 +36,11 @@ ignore SIGTERM (:mod:`baft.pipeline.loader`), and a forked process that inherits
 handler itself ignores it there (it was installed by another pid): the workers live on
 until their parent flushed and shut them down, as on any clean end.
 
-Under in-process recovery (:func:`baft.api.run`) the training function is re-entered,
-and between one generation's engine and the next there is no :class:`Termination`:
-:func:`hold_sigterm` installs, for the process's life, a handler that holds a SIGTERM
-until the next engine's :class:`Termination` takes it over (its flush then follows the
-restore), and leaves the process if none does within ``HOLD_S``.
+Under in-process recovery (:func:`baft.run`) the training function is re-entered, and
+between one generation's engine and the next there is no :class:`Termination`: the
+supervisor's channel holds a SIGTERM then (:class:`baft.inprocess.channel.SigtermHold`)
+until the next engine's :class:`Termination` takes it over (:func:`install` asks the
+generation's link), and its flush follows the restore.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from baft.liveness.absence import absent_peer
+from baft.liveness import generation
 from baft.pipeline.loader import keep_loader_workers_through_sigterm
 
 log = logging.getLogger("baft")
@@ -65,71 +65,20 @@ log = logging.getLogger("baft")
 
 POLL_S = 0.05
 """Seconds between two looks for an absent peer while a SIGTERM waits for its flush."""
-HOLD_S = 10.0
-"""Seconds a held SIGTERM (see :func:`hold_sigterm`) waits for an engine to take it over."""
-
-
-class _Hold:
-    """The process-wide SIGTERM handler under in-process recovery (one per process: a
-    signal's disposition is process-wide state, so this is too)."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.pending = False
-        """A SIGTERM came and no :class:`Termination` has taken it over yet."""
-        self._taken = threading.Event()
-
-    def handle(self, signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != self.pid or self.pending:  # a forked DataLoader worker: not ours
-            return
-        log.warning("SIGTERM: held for the next generation's flush (at most %.0f s)", HOLD_S)
-        self.pending = True
-        self._taken.clear()
-        threading.Thread(target=self._expire, name="baft-sigterm-hold", daemon=True).start()
-
-    def _expire(self) -> None:
-        if not self._taken.wait(HOLD_S):
-            Termination._die(f"no engine took the held SIGTERM over within {HOLD_S:.0f} s")
-
-    def take(self) -> bool:
-        """A :class:`Termination` takes the SIGTERM over; whether one was pending."""
-        was, self.pending = self.pending, False
-        self._taken.set()
-        return was
-
-    def give_back(self) -> None:
-        """A :class:`Termination` that had the SIGTERM was uninstalled unflushed (an
-        in-process recovery began): hold it again for the next one."""
-        if not self.pending:
-            self.handle(signal.SIGTERM, None)
-
-
-_hold: _Hold | None = None
-
-
-def hold_sigterm() -> None:
-    """Hold SIGTERM for this process's life between engines (see the module docstring).
-    From the main thread; a no-op elsewhere or when already installed."""
-    global _hold
-    if _hold is not None or threading.current_thread() is not threading.main_thread():
-        return
-    _hold = _Hold()
-    signal.signal(signal.SIGTERM, _hold.handle)
-    keep_loader_workers_through_sigterm()
 
 
 class Termination:
     """A SIGTERM flag (installed only from the main thread; a no-op elsewhere).
 
-    ``absent``: why a peer can no longer vote, or None (default: ask the running
-    watchdog); tests pass their own."""
+    ``absent``: why a peer can no longer vote, or None (the running watchdog's
+    ``absent_peer``; default: no evidence, the grace alone bounds the wait)."""
 
     def __init__(
         self,
         grace_s: float = 2.0,
         *,
         max_grace_s: float = 20.0,
-        absent: Callable[[], str | None] = absent_peer,
+        absent: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.requested = False
         self.grace_s = grace_s
@@ -169,7 +118,8 @@ class Termination:
         keep_loader_workers_through_sigterm()
         atexit.register(self._at_exit)
         self._installed = True
-        if _hold is not None and _hold.take():  # came during a recovery: flush now
+        link = generation.current()
+        if link is not None and link.take_held_sigterm():  # came during a recovery: flush
             self._handle(signal.SIGTERM, None)
         return self
 
@@ -215,12 +165,7 @@ class Termination:
 
     @staticmethod
     def _die(why: str) -> None:
-        """Leave at once with the status a SIGTERM death gives (128 + 15), as without baft
-        (from any thread: Python cannot re-install a signal handler outside the main one)."""
-        log.warning("SIGTERM: %s", why)
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(128 + signal.SIGTERM)
+        die_of_sigterm(why)
 
     def uninstall(self) -> None:
         unflushed = self.requested and not self._settled.is_set()
@@ -229,5 +174,15 @@ class Termination:
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             atexit.unregister(self._at_exit)
             self._installed = False
-            if unflushed and _hold is not None:
-                _hold.give_back()
+            link = generation.current()
+            if unflushed and link is not None:
+                link.hold_sigterm_again()
+
+
+def die_of_sigterm(why: str) -> None:
+    """Leave at once with the status a SIGTERM death gives (128 + 15), as without baft
+    (from any thread: Python cannot re-install a signal handler outside the main one)."""
+    log.warning("SIGTERM: %s", why)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)

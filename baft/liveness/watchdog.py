@@ -54,135 +54,52 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from baft.liveness import channel
+from baft.liveness import generation
 from baft.liveness.absence import (
     PeerBeat,
     absent,
     is_stopped,
     kill_if_stopped,
-    set_witness,
     start_time,
 )
+from baft.liveness.hangs import HANGS_FILE, agreed_attempt, append_hang, attempt_key, read_hangs
+from baft.liveness.verdict import (
+    PeerView,
+    Verdict,
+    beat_period,
+    decide,
+    section_limit,
+    watched_peers,
+)
 
-HANGS_FILE = "hangs.jsonl"
-"""Under the run directory: one record per hang a watchdog detected (read by restore)."""
 WATCHDOG_EXIT_CODE = 86
 """Exit status of a rank its watchdog ended (shown by torchrun's failure summary)."""
-SECTION_FACTORS = {"iteration": 2.0, "restore": 10.0, "close": 10.0}
-"""Own-section limit as a multiple of the timeout, by section kind (the name's first word)."""
-MAX_WATCH_ALL = 64
-"""Up to this world size every rank watches every peer; above, its 4 ring neighbours."""
-
 _log = logging.getLogger("baft")
-
-
-def attempt_key() -> tuple[int, int]:
-    """This process's attempt, in order: (torchrun's restart count, the in-process
-    generation it runs in). Hang records and recovery reports carry both."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), channel.generation()
-
-
-def beat_period(timeout_s: float) -> float:
-    """Seconds between heartbeats for a job timeout of ``timeout_s``."""
-    return min(1.0, timeout_s / 10.0)
-
-
-def watched_peers(rank: int, world_size: int) -> list[int]:
-    """The peers ``rank`` watches: all of them in small jobs, else ring neighbours
-    (consecutive ranks usually share a host, so a watcher can kill a frozen neighbour)."""
-    if world_size <= MAX_WATCH_ALL:
-        return [r for r in range(world_size) if r != rank]
-    near = {(rank + d) % world_size for d in (-2, -1, 1, 2)}
-    return sorted(near - {rank})
-
-
-@dataclass(frozen=True, slots=True)
-class PeerView:
-    """What the beat thread last saw of one watched peer (monotonic local clock)."""
-
-    rank: int
-    last_change: float
-    """When its heartbeat last changed (or watching started, if never seen)."""
-    section: str = ""
-    """Its section at its last heartbeat."""
-    done: bool = False
-    """It left training cleanly (never a hang)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """A hang: who is suspected and why."""
-
-    kind: str
-    """``peer`` (a peer stopped beating), ``store`` (the store stopped answering) or
-    ``self`` (this rank's own section ran past its limit)."""
-    rank: int | None
-    """The suspect rank (None when unknown)."""
-    section: str
-    """The suspect's last known section."""
-    silent_s: float
-    """How long the suspect has been silent (or this section has run)."""
-
-
-def decide(
-    now: float,
-    peers: Sequence[PeerView],
-    *,
-    store_ok_at: float,
-    store_rank: int | None,
-    section: str | None,
-    section_since: float,
-    section_limit_s: float,
-    timeout_s: float,
-) -> tuple[Verdict | None, str]:
-    """Is something hung? Pure: every time is a monotonic second passed in.
-
-    The store comes first: when it stops answering, every peer looks silent too, and
-    the suspect is the rank hosting it (``store_rank``), not the first peer in the list.
-    """
-    store_silent = now - store_ok_at
-    if store_silent > timeout_s:
-        who = f"rank {store_rank}" if store_rank is not None else "its host"
-        return Verdict("store", store_rank, "", store_silent), (
-            f"the rendezvous store (hosted by {who}) has not answered for "
-            f"{store_silent:.1f} s (timeout {timeout_s:g} s)"
-        )
-    live = [p for p in peers if not p.done]
-    if live:
-        worst = min(live, key=lambda p: p.last_change)
-        silent = now - worst.last_change
-        if silent > timeout_s:
-            where = f" in section '{worst.section}'" if worst.section else ""
-            return Verdict("peer", worst.rank, worst.section, silent), (
-                f"rank {worst.rank} has not sent a heartbeat for {silent:.1f} s{where} "
-                f"(timeout {timeout_s:g} s): it is frozen or gone"
-            )
-    if section is not None:
-        ran = now - section_since
-        if ran > section_limit_s:
-            return Verdict("self", None, section, ran), (
-                f"this rank has been in section '{section}' for {ran:.1f} s "
-                f"(limit {section_limit_s:g} s = {section_limit_s / timeout_s:g} x timeout)"
-            )
-    return None, "ok"
-
-
-def section_limit(name: str, timeout_s: float) -> float:
-    """Seconds a section called ``name`` may run (see :data:`SECTION_FACTORS`)."""
-    return SECTION_FACTORS.get(name.split(" ", 1)[0], 2.0) * timeout_s
+__all__ = [
+    "HANGS_FILE",
+    "NoWatchdog",
+    "PeerView",
+    "Verdict",
+    "Watchdog",
+    "attempt_key",
+    "bound_waits",
+    "decide",
+    "read_hangs",
+    "start_watchdog",
+]
 
 
 # ---------------------------------------------------------------------- bounded waits
-def bound_waits(mesh: Any, runner: Any, timeout_s: float) -> None:
-    """Bound every wait of training by ``timeout_s``: the default group's and the mesh
-    groups' collectives, and the pipeline's point-to-point waits.
+def bound_waits(mesh: Any, stages: Sequence[Any], timeout_s: float) -> None:
+    """Bound every wait of training by ``timeout_s``: the default group's, the mesh
+    groups' and the pipeline stages' collectives (the step runner bounds the pipeline's
+    point-to-point waits with the same ``timeout_s``).
 
     Groups made by ``init_device_mesh`` or ``new_group`` without a timeout get torch's
     default (30 min on gloo), not the default group's; ``_set_pg_timeout`` is the one
@@ -194,7 +111,7 @@ def bound_waits(mesh: Any, runner: Any, timeout_s: float) -> None:
     groups: list[Any] = [None]  # None = the default group
     for name in mesh.mesh.mesh_dim_names or ():
         groups.append(mesh.mesh.get_group(name))
-    groups += [getattr(s, "group", None) for s in getattr(runner, "stages", ())]
+    groups += [getattr(s, "group", None) for s in stages]
     seen: set[int] = set()
     for g in groups:
         key = id(g)
@@ -205,37 +122,6 @@ def bound_waits(mesh: Any, runner: Any, timeout_s: float) -> None:
             _set_pg_timeout(limit, g)
         except (ValueError, RuntimeError, AssertionError) as e:
             _log.warning("baft: cannot set the timeout of process group %s: %s", g, e)
-    runner.protected.wait_timeout_s = timeout_s
-
-
-# ---------------------------------------------------------------------- hang records
-def append_hang(run_dir: Path, record: dict[str, Any]) -> None:
-    """Append one record to ``hangs.jsonl`` in one write on an O_APPEND fd."""
-    path = Path(run_dir) / HANGS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_hangs(run_dir: Path, attempt: int | None = None) -> list[dict[str, Any]]:
-    """Hang records of the job (of one torchrun attempt if given), oldest detection first."""
-    try:
-        lines = (Path(run_dir) / HANGS_FILE).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if attempt is None or rec.get("attempt") == attempt:
-            out.append(rec)
-    return sorted(out, key=lambda r: r["detected_at"])
 
 
 # ---------------------------------------------------------------------- the watchdog
@@ -305,7 +191,7 @@ class Watchdog:
             port=int(port),
             store_rank=None if agent_store else 0,
             attempt=attempt,
-            exit_process=channel.current() is None,
+            exit_process=generation.current() is None,
         )
 
     # ------------------------------------------------------------------ main thread
@@ -316,13 +202,14 @@ class Watchdog:
             self._threads.append(t)
         self._chained_hook = sys.excepthook
         sys.excepthook = self._excepthook
-        set_witness(self.absent_peer)  # asked by the SIGTERM handling
         return self
 
     def absent_peer(self) -> str | None:
         """Why a watched peer can no longer take part (its process on this host exited,
         its heartbeat or the store silent for more than three beats), or None; see
         :func:`baft.liveness.absence.absent`. Called from any thread."""
+        if self._stop.is_set():  # stopped: it saw nothing since
+            return None
         now = time.monotonic()
         with self._lock:
             seen = dict(self._seen)
@@ -411,10 +298,9 @@ class Watchdog:
         self._end_threads(join_s=2 * self.beat_s + 2.0)
 
     def _end_threads(self, join_s: float) -> None:
-        """Stop and join the threads; give the excepthook and the witness back."""
+        """Stop and join the threads; give the excepthook back."""
         self._stop.set()
         self._wake.set()
-        set_witness(None)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._chained_hook
         for t in self._threads:
@@ -516,9 +402,9 @@ class Watchdog:
             else "the supervisors replace the suspect and this rank recovers in-process",
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        ch = channel.current()
-        if ch is not None:  # the suspects' supervisors replace them; every rank re-enters
-            ch.suspect(kill, reason)
+        link = generation.current()
+        if link is not None:  # the suspects' supervisors replace them; every rank re-enters
+            link.suspect(kill, reason)
         with self._lock:
             seen = dict(self._seen)
         frozen: dict[int, tuple[int, str]] = {}  # rank -> (pid, start) of a stopped process here
@@ -536,7 +422,7 @@ class Watchdog:
             self.run_dir,
             {
                 "attempt": self.attempt,
-                "generation": channel.generation(),
+                "generation": generation.number(),
                 "detected_by": self.rank,
                 "detected_at": now_wall,
                 "last_seen_at": last_seen,
@@ -585,26 +471,19 @@ class NoWatchdog:
     def abandon(self) -> None:
         pass
 
+    def absent_peer(self) -> str | None:
+        return None
 
-def start_watchdog(mesh: Any, runner: Any, timeout_s: float, run_dir: str) -> Watchdog | NoWatchdog:
-    """Both front doors (``baft train`` workers, ``baft.protect``): bound every wait by
-    ``timeout_s`` and start this rank's watchdog (off with ``BAFT_WATCHDOG=0``)."""
-    bound_waits(mesh, runner, timeout_s)
+
+def start_watchdog(
+    mesh: Any, stages: Sequence[Any], timeout_s: float, run_dir: str
+) -> Watchdog | NoWatchdog:
+    """Both front doors (``baft train`` workers, ``baft.protect``): bound every wait of
+    the mesh and the pipeline ``stages`` by ``timeout_s`` and start this rank's watchdog
+    (off with ``BAFT_WATCHDOG=0``). Collective (the job's attempt is agreed)."""
+    bound_waits(mesh, stages, timeout_s)
     wd = Watchdog.from_env(
         rank=mesh.rank, world_size=dist.get_world_size(), timeout_s=timeout_s, run_dir=run_dir,
         attempt=agreed_attempt(),
     )  # fmt: skip
     return wd.start() if wd is not None else NoWatchdog()
-
-
-def agreed_attempt() -> int:
-    """The job's torchrun attempt as every rank sees it: the highest restart count of any
-    rank. torchrun counts restarts per agent, so a replacement host's agent starts at 0
-    while the others are past it; heartbeats keyed by each rank's own count would never
-    meet, and a healthy rank would be named frozen. Collective over the world."""
-    mine = attempt_key()[0]
-    if not dist.is_initialized() or dist.get_world_size() < 2:
-        return mine
-    counts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, mine)
-    return max(int(c) for c in counts)

@@ -26,27 +26,24 @@ import signal
 import threading
 from typing import Any
 
-_patched = False
-
-
 def keep_loader_workers_through_sigterm() -> None:
-    """From now on, DataLoader workers this process forks ignore SIGTERM. Idempotent."""
-    global _patched
-    if _patched:
-        return
+    """From now on, DataLoader workers this process forks ignore SIGTERM. Idempotent: the
+    patched function marks itself (torch's module is the one state, no flag of ours)."""
     try:
         from torch.utils.data._utils import signal_handling
     except ImportError:  # another torch: its workers die of the SIGTERM as without baft
         return
     original = signal_handling._set_worker_signal_handlers
+    if getattr(original, "_baft", False):
+        return
 
     def set_worker_signal_handlers(*args: Any) -> None:
         original(*args)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads inherit it
         threading.Thread(target=_obey_parent_only, name="baft-sigterm", daemon=True).start()
 
+    set_worker_signal_handlers._baft = True  # type: ignore[attr-defined]
     signal_handling._set_worker_signal_handlers = set_worker_signal_handlers
-    _patched = True
 
 
 def _obey_parent_only() -> None:

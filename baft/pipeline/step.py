@@ -18,8 +18,9 @@ snapshots. :meth:`StepRunner.run_step` is the shorthand ``zero_grad`` + ``schedu
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +41,33 @@ from baft.pipeline.state import (
 )
 from baft.plan import names
 
-__all__ = ["StepHooks", "StepResult", "StepRunner", "check_optimizer", "combine_digests", "local"]
+__all__ = [
+    "Phase",
+    "StepHooks",
+    "StepResult",
+    "StepRunner",
+    "check_optimizer",
+    "combine_digests",
+    "local",
+]
+
+
+class Phase(enum.Enum):
+    """Where a runner's state stands against its checkpoints."""
+
+    UNRESTORED = "unrestored"
+    """Protected, not restored yet: the loop raises (nothing would be checkpointed)."""
+    RESTORING = "restoring"
+    """A restore may replay optimizer steps: the hooks stand aside."""
+    RUNNING = "running"
+    """Every step runs through the hooks."""
+
+
+NOT_RESTORED = (
+    "step() before restore(): call start = ft.restore() first (it opens the snapshot "
+    "stores and returns the iteration to resume from); without it nothing would be "
+    "checkpointed"
+)
 
 
 class StepHooks(Protocol):
@@ -103,6 +130,11 @@ class StepRunner:
         state: Mapping[str, Stateful] | None = None,
         extra_capacity_bytes: int | Mapping[str, int] = DEFAULT_EXTRA_CAPACITY,
         average_gradients: bool | None = None,
+        averaged_by: str = "",
+        phase: Phase = Phase.RUNNING,
+        section: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
+        on_step_end: Sequence[Callable[[StepResult], None]] = (),
+        wait_timeout_s: float | None = None,
     ) -> None:
         for obj, what in ((optimizer, "optimizer"), (schedule, "schedule")):
             if getattr(obj, "_baft_runner", None) is not None:
@@ -121,7 +153,7 @@ class StepRunner:
         self.average = average_gradients
         """None: the user calls :meth:`average_gradients` (checked at the step when dp > 1);
         True: averaged in the step pre-hook; False: the user's loop averages them itself."""
-        self.averaged_by = ""
+        self.averaged_by = averaged_by
         """Who averages the gradients over the replicas instead of baft (``"FSDP2"`` for
         HSDP): :meth:`average_gradients` is then a no-op."""
         self.state = TrainingState(
@@ -144,15 +176,15 @@ class StepRunner:
         self.params = [p for m in modules for p in m.parameters()]
         self.iteration = 0
         """The iteration (version) the next optimizer step ends."""
-        self.paused = False
-        """True while a restore replays optimizer steps: the hooks stand aside."""
-        self.before_restore: Callable[[], None] | None = None
-        """Set until the state is restored: raises instead of training unprotected."""
-        self.section: Callable[[str], contextlib.AbstractContextManager[None]] = lambda _: (
-            contextlib.nullcontext()
-        )
+        self.phase = phase
+        """See :class:`Phase`; a restore moves it with :meth:`begin_restore` and
+        :meth:`end_restore`."""
+        self.section = section or (lambda _: contextlib.nullcontext())
         """Wraps baft's work of an iteration (the watchdog's named sections)."""
-        self.on_step_end: list[Callable[[StepResult], None]] = []
+        self.on_step_end = tuple(on_step_end)
+        """Called with every step's result, after its hooks."""
+        if wait_timeout_s is not None:
+            self.protected.wait_timeout_s = wait_timeout_s
         self.layout_digests: dict[str, str] = {}
         """Every ``(pp, tp)``'s :attr:`TrainingState.layout_digest` by ``"pp{p}.tp{t}"``
         (``baft.protect`` gathers them; empty when nobody did): what each shard of a
@@ -174,6 +206,19 @@ class StepRunner:
             schedule.step = self._schedule_step
             schedule._baft_runner = self
             self._wrapped = True
+
+    def begin_restore(self) -> None:
+        """A restore begins: optimizer steps it replays bypass the hooks."""
+        self.phase = Phase.RESTORING
+
+    def end_restore(self, iteration: int) -> None:
+        """The state is version ``iteration``: the loop continues from it, protected."""
+        self.iteration = iteration
+        self.phase = Phase.RUNNING
+
+    def _check_restored(self) -> None:
+        if self.phase is Phase.UNRESTORED:
+            raise RuntimeError(NOT_RESTORED)
 
     @property
     def in_iteration(self) -> bool:
@@ -217,9 +262,8 @@ class StepRunner:
 
     def _schedule_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``schedule.step(...)``: the same call, with its waits as slots."""
-        if self.before_restore is not None:
-            self.before_restore()
-        if self.paused:
+        self._check_restored()
+        if self.phase is Phase.RESTORING:
             return self.protected.raw_step(*args, **kwargs)
         tl = self._begin()
         if kwargs.get("losses") is None and self.protected.has_last_stage:
@@ -246,9 +290,8 @@ class StepRunner:
         self._averaged = True
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.before_restore is not None:
-            self.before_restore()
-        if self.paused:
+        self._check_restored()
+        if self.phase is Phase.RESTORING:
             return
         tl = self._begin()
         if self.num_dp > 1 and not self._averaged:
@@ -266,7 +309,7 @@ class StepRunner:
         self._t_opt = tl.now()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.paused or self._tl is None:
+        if self.phase is Phase.RESTORING or self._tl is None:
             return
         tl = self._tl
         tl.add("optimizer", "compute", self._t_opt, tl.now())

@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from baft.liveness import channel
+from baft.liveness.generation import describe as describe_generation
+from baft.liveness.generation import recovery_phases
 from baft.liveness.watchdog import attempt_key
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.identity import check_identity, layout_key, shard_records
@@ -243,9 +244,9 @@ def _fill_report(
         report.record["hosts"] = {str(r): h for r, h in located.hosts.items()}
     if reclaimed:
         report.record["reclaimed"] = reclaimed
-    inprocess = channel.recovery_phases(max(fault_times) if fault_times else None, t_launch)
+    inprocess = recovery_phases(max(fault_times) if fault_times else None, t_launch)
     if inprocess:  # the survivors re-entered in-process, the failed rank was replaced
-        report.record["inprocess"] = channel.describe()
+        report.record["inprocess"] = describe_generation()
         for name, seconds in inprocess.items():
             report.phase(name, seconds)
     elif fault_times:

@@ -88,7 +88,8 @@ class Trainer:
         """The step runner without an engine: the same loop with no checkpoints (with
         ``instrument`` off, the bare torch schedule), waits bounded and watched as in
         ``baft.protect``."""
-        runner = StepRunner(
+        self._watchdog = start_watchdog(self.mesh, self.stages, timeout_s, self.cfg.out_dir)
+        return StepRunner(
             mesh=self.mesh,
             modules=self.modules,
             stages=self.stages,
@@ -97,10 +98,9 @@ class Trainer:
             num_dp=self.mesh.topology.num_dp,  # replicas: FSDP2 reduces over dp_shard itself
             num_tp=self.mesh.topology.num_tp,
             instrument=self.cfg.instrument,
+            section=self._watchdog.section,
+            wait_timeout_s=timeout_s,
         )
-        self._watchdog = start_watchdog(self.mesh, runner, timeout_s, self.cfg.out_dir)
-        runner.section = self._watchdog.section
-        return runner
 
     def restore(self) -> int:
         """The iteration to start from: the protected loop's restore (collective), 0 for

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from baft.api import run as baft_run
+from baft.inprocess.run import run as baft_run
 from baft.pipeline.mesh import init_mesh
 from baft.pipeline.step import StepResult, combine_digests
 from baft.train.config import TrainConfig

@@ -85,13 +85,3 @@ def test_has_exited_reads_a_killed_process_its_zombie_and_a_reused_pid() -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_the_witness_is_the_running_watchdog_only() -> None:
-    assert absence.absent_peer() is None
-    absence.set_witness(lambda: "rank 1 has exited (pid 7 on this host)")
-    try:
-        assert absence.absent_peer() == "rank 1 has exited (pid 7 on this host)"
-    finally:
-        absence.set_witness(None)
-    assert absence.absent_peer() is None

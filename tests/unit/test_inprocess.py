@@ -13,24 +13,28 @@ from typing import Any
 
 import pytest
 
+from baft.config import InprocessTimeouts
+from baft.inprocess import messages as msg
+from baft.inprocess.channel import Channel
 from baft.inprocess.control import Control
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
-from baft.liveness import channel
-from baft.liveness.channel import Channel, Generation, recovery_phases
-from baft.liveness.sockets import shutdown_tcp, tcp_inodes
+from baft.inprocess.sockets import shutdown_tcp, tcp_inodes
+from baft.liveness import generation as link
+from baft.liveness.generation import Generation, recovery_phases
 
 
 @pytest.fixture
 def piped(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Channel]]:
     """A channel installed as this process's, and the supervisor's end of its pipe; the
     environment it sets on ``enter()`` is put back afterwards."""
-    monkeypatch.setenv(channel.GENERATION_ENV, "0")  # restored (or removed) at the end
+    monkeypatch.setenv(link.GENERATION_ENV, "0")  # restored (or removed) at the end
     monkeypatch.setenv("MASTER_PORT", "1234")
     parent, child = multiprocessing.Pipe()
-    ch = Channel(child, Generation(0, 1234), rank=2, on_lost=lambda: None)
-    channel.install(ch)
+    timeouts = InprocessTimeouts(stuck_s=0.2)
+    ch = Channel(child, Generation(0, 1234), rank=2, timeouts=timeouts, on_lost=lambda: None)
+    link.install(ch)
     yield parent, ch
-    channel.install(None)
+    link.install(None)
     parent.close()
 
 
@@ -73,9 +77,35 @@ def test_control_starts_one_generation_per_failure() -> None:
     c.give_up("first")
     c.give_up("second")
     assert c.given_up() == "first"
+    assert c.refused() is None  # giving up is not refusing
+    c.refuse("rank 0: ValueError: bad layout")
+    c.refuse("rank 1: ValueError: bad layout")
+    assert c.refused() == "rank 0: ValueError: bad layout"
     assert not c.job_ended()
     c.ended()
     assert c.job_ended()
+
+
+def test_control_reads_every_peer_heartbeat_in_one_call() -> None:
+    """Peers that have not beaten yet are absent; one that finished reads ``done``; the
+    whole table is one ``multi_get`` (not a ``check`` per peer)."""
+    c0 = Control("127.0.0.1", 0, rank=0, world_size=3, timeout_s=5.0)
+    assert c0.beats() == {}  # nobody beat yet
+    c0.beat(1)
+    c2 = Control("127.0.0.1", c0.listen_port, rank=2, world_size=3, timeout_s=5.0)
+    assert c2.beats() == {0: b"1"}
+    c2.finished()
+    calls: list[str] = []
+    real = c0.store
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(real, name)
+
+    c0.store = Counting()
+    assert c0.beats() == {2: b"done"}
+    assert calls == ["multi_get"]
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
@@ -109,21 +139,22 @@ def test_channel_takes_a_generation_and_reports_up(piped: tuple[Any, Channel]) -
     ch.failed("boom")
     ch.suspect([3, 1], "silent")
     assert [parent.recv() for _ in range(3)] == [
-        ("progress", 0), ("failed", 0, "boom"), ("suspect", 0, [1, 3], "silent"),
+        msg.Progress(0), msg.Failed(0, "boom"), msg.Suspect(0, (1, 3), "silent"),
     ]  # fmt: skip
     assert not parent.poll(0.05)
-    parent.send(("gen", 1, 5678, "rank 1 died", 100.0))
+    parent.send(msg.Announce(Generation(1, 5678, "rank 1 died", 100.0)))
     assert ch.wait_for_generation(5.0)
     gen = ch.enter()
     assert gen == Generation(1, 5678, "rank 1 died", 100.0)
-    assert os.environ["MASTER_PORT"] == "5678" and channel.generation() == 1
-    assert channel.describe() == {"generation": 1, "cause": "rank 1 died", "replacement": False}
+    assert parent.recv() == msg.Entered(1)
+    assert os.environ["MASTER_PORT"] == "5678" and link.number() == 1
+    assert link.describe() == {"generation": 1, "cause": "rank 1 died", "replacement": False}
     assert recovery_phases(99.5, t_launch=100.25) == {"detect": 0.5, "abort": 0.25}
 
 
 @pytest.mark.parametrize("fault_at", [None])
 def test_no_phases_without_a_supervisor(fault_at: float | None) -> None:
-    assert recovery_phases(fault_at, 1.0) == {} and channel.describe() == {}
+    assert recovery_phases(fault_at, 1.0) == {} and link.describe() == {}
 
 
 def test_a_connection_opened_before_entering_the_new_generation_is_shut_too(
@@ -132,7 +163,7 @@ def test_a_connection_opened_before_entering_the_new_generation_is_shut_too(
     """A rank still entering the old generation's rendezvous when the next one is announced
     must not wait there: until ``enter()``, every new TCP connection is shut down."""
     parent, ch = piped
-    parent.send(("gen", 1, 2, "x", 1.0))
+    parent.send(msg.Announce(Generation(1, 2, "x", 1.0)))
     assert ch.wait_for_generation(5.0)
     server, client, peer = _tcp_pair()  # opened after the abort, before enter()
     client.settimeout(5.0)
@@ -152,28 +183,28 @@ def test_waits_off_sockets_give_up_once_a_generation_is_announced(
 ) -> None:
     """A same-host shared-memory wait has no socket to shut down: it asks the channel."""
     parent, ch = piped
-    channel.check_aborted()  # nothing announced: goes on
-    parent.send(("gen", 1, 2, "rank 1 died", 1.0))
+    link.check_aborted()  # nothing announced: goes on
+    parent.send(msg.Announce(Generation(1, 2, "rank 1 died", 1.0)))
     assert ch.wait_for_generation(5.0)
-    with pytest.raises(channel.GenerationAborted, match="generation 1 began"):
-        channel.check_aborted()
+    with pytest.raises(link.GenerationAborted, match="generation 1 began"):
+        link.check_aborted()
     ch.enter()
-    channel.check_aborted()  # in the new generation: goes on
+    link.check_aborted()  # in the new generation: goes on
 
 
 def test_a_training_thread_that_does_not_take_a_generation_is_reported_stuck(
-    piped: tuple[Any, Channel], monkeypatch: pytest.MonkeyPatch
+    piped: tuple[Any, Channel],
 ) -> None:
     """A main thread hung off any socket (a sleep, a deadlock) never takes the announced
-    generation: after STUCK_S the channel says so, once, for its supervisor to replace."""
-    monkeypatch.setattr(channel, "STUCK_S", 0.2)
+    generation: after ``stuck_s`` (0.2 s here) the channel says so, once, for its
+    supervisor to replace."""
     parent, ch = piped
-    parent.send(("gen", 1, 2, "rank 0 timed out", 1.0))
+    parent.send(msg.Announce(Generation(1, 2, "rank 0 timed out", 1.0)))
     assert parent.poll(5.0)
-    assert parent.recv() == ("stuck", 1)
+    assert parent.recv() == msg.Stuck(1)
     assert not parent.poll(0.5)  # once
     ch.enter()
-    assert parent.recv() == ("entered", 1)
+    assert parent.recv() == msg.Entered(1)
 
 
 def test_connections_opened_before_run_survive_an_abort(piped: tuple[Any, Channel]) -> None:
@@ -182,18 +213,18 @@ def test_connections_opened_before_run_survive_an_abort(piped: tuple[Any, Channe
     parent, ch = piped
     module = _tcp_pair()  # the script's module level
     ch.keep_connections()  # baft.run, before the training function
-    generation = _tcp_pair()  # the training function's
-    parent.send(("gen", 1, 2, "rank 1 died", 1.0))
+    gen_pair = _tcp_pair()  # the training function's
+    parent.send(msg.Announce(Generation(1, 2, "rank 1 died", 1.0)))
     assert ch.wait_for_generation(5.0)
     ch.enter()
-    server, client, peer = generation
+    server, client, peer = gen_pair
     client.settimeout(5.0)
     assert client.recv(1) == b""  # shut down
     server, client, peer = module
     peer.sendall(b"m")
     client.settimeout(5.0)
     assert client.recv(1) == b"m"
-    for s in (*module, *generation):
+    for s in (*module, *gen_pair):
         s.close()
 
 
@@ -205,3 +236,13 @@ def test_the_nccl_abort_gets_the_settings_torch_asks_for_unless_the_user_set_the
     to_set, conflicts = nccl_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_NVLS_ENABLE": "0"})
     assert to_set == {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
     assert conflicts == ["TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (in-process recovery needs 0)"]
+
+
+def test_inprocess_timeouts_come_from_the_environment() -> None:
+    assert InprocessTimeouts.from_env({}) == InprocessTimeouts()
+    t = InprocessTimeouts.from_env({"BAFT_INPROCESS_STUCK_S": "3", "BAFT_INPROCESS_STORE_S": "9"})
+    assert (t.stuck_s, t.store_s, t.peer_silence_s) == (3.0, 9.0, 5.0)
+    with pytest.raises(ValueError, match="BAFT_INPROCESS_STUCK_S='soon': expected seconds"):
+        InprocessTimeouts.from_env({"BAFT_INPROCESS_STUCK_S": "soon"})
+    with pytest.raises(ValueError, match="must be > 0"):
+        InprocessTimeouts.from_env({"BAFT_INPROCESS_ABORT_WAIT_S": "0"})

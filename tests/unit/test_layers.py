@@ -22,9 +22,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "baft"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("demo",),
-    ("train", "inprocess"),
+    ("train",),
     ("integrations",),
     ("<face>",),
+    ("inprocess",),
     ("api",),
     ("recover",),
     ("engine",),
@@ -38,13 +39,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Top to bottom, as in DESIGN.md §4 ("Imports only point down the list's layers"): a
 module may import its own layer and the layers below. Names are the first component
 under ``baft.``; ``<face>`` is ``baft/__init__.py``, the public face, which may import
-only ``api`` and ``config`` (``FACE_MAY_IMPORT``) and sits above the library it exposes.
+only ``api``, ``config`` and ``inprocess`` (``baft.run``) (``FACE_MAY_IMPORT``) and sits
+above the library it exposes. ``inprocess`` (in-process recovery: the supervisor around
+the training process, and ``baft.run`` inside it) wraps the library the script uses; the
+library reads it only through ``liveness.generation``.
 ``integrations`` (optional framework adapters, e.g. torchtitan's checkpoint manager) sit
 on the library as a user does. ``liveness`` (watchdog, SIGTERM) imports from baft only the DataLoader seam of
 ``pipeline``; it sits right under its lowest user, the engine (api and recover use it too).
 ``errors`` (the refusal marker) is imported from every layer and imports nothing."""
 
-FACE_MAY_IMPORT = frozenset({"api", "config"})
+FACE_MAY_IMPORT = frozenset({"api", "config", "inprocess"})
 ARGPARSE_ONLY_IN = "cli"
 """All argument parsing lives in ``baft/cli/`` (DESIGN.md §4)."""
 
@@ -265,3 +269,51 @@ def test_recover_imports_only_the_transport_seam_from_the_engine() -> None:
     )
     gone = sorted(RECOVER_ENGINE_PENDING - found)
     assert not gone, f"no longer imported, so delete from RECOVER_ENGINE_PENDING: {gone}"
+
+
+PROCESS_STATE_MAY_LIVE_IN = ("baft.inprocess", "baft.liveness.generation")
+"""Where module-level state that changes at run time may live: in-process recovery owns
+the process around the library (its channel, the generation's members)."""
+_CONTAINERS = {"dict", "list", "set", "WeakSet", "WeakValueDictionary", "WeakKeyDictionary"}
+
+
+def _module_state(path: Path) -> Iterator[str]:
+    """``global`` statements, and module-level names bound to an empty container (a
+    registry filled at run time), in one file."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            yield f"line {node.lineno}: global {', '.join(node.names)}"
+    for node in tree.body:
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        empty_literal = isinstance(value, ast.Dict | ast.List | ast.Set) and not (
+            getattr(value, "keys", None) or getattr(value, "elts", None)
+        )
+        empty_call = (
+            isinstance(value, ast.Call)
+            and not value.args
+            and ast.unparse(value.func).rpartition(".")[2] in _CONTAINERS
+        )
+        if empty_literal or empty_call:
+            yield f"line {node.lineno}: {ast.unparse(node)[:60]}"
+
+
+def test_no_module_level_mutable_state_outside_inprocess() -> None:
+    """A process-wide singleton outside in-process recovery is state the next reader
+    cannot see being wired: pass it at construction instead (issue: construct whole)."""
+    found = [
+        f"{module} {where}"
+        for module, path in module_files().items()
+        if not module.startswith(PROCESS_STATE_MAY_LIVE_IN)
+        for where in _module_state(path)
+    ]
+    assert not found, found
+
+
+def test_the_module_state_check_sees_globals_and_registries(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import weakref\n_A = {}\n_B = weakref.WeakSet()\nC = (1,)\n"
+        "def f():\n    global _x\n    _x = 1\n"
+    )
+    assert [w.split(":")[0] for w in _module_state(path)] == ["line 6", "line 2", "line 3"]

@@ -21,7 +21,7 @@ print("survived")
 
 def _run(body: str, setup: str = "") -> subprocess.CompletedProcess[str]:
     code = SCRIPT.format(body=body, setup=setup)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=15)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 def test_no_agreed_flush_dies_of_sigterm_after_the_grace() -> None:
@@ -107,10 +107,17 @@ def test_dataloader_workers_serve_through_a_preemption_sigterm_and_end_with_the_
 
 
 HOLD = r"""
-import os, signal, time
+import multiprocessing, os, signal, time
 import baft.liveness.termination as term
-term.HOLD_S = {hold}
-term.hold_sigterm()
+from baft.config import InprocessTimeouts
+from baft.inprocess.channel import Channel
+from baft.liveness import generation
+from baft.liveness.generation import Generation
+parent, child = multiprocessing.Pipe()
+timeouts = InprocessTimeouts(hold_sigterm_s={hold})
+ch = Channel(child, Generation(0, 1), rank=0, timeouts=timeouts, on_lost=lambda: None)
+generation.install(ch)
+ch.hold_sigterm()  # baft.run, under a supervisor
 os.kill(os.getpid(), signal.SIGTERM)  # between two engines (an in-process recovery)
 time.sleep(0.2)
 print("held", flush=True)
@@ -122,7 +129,7 @@ print("survived", flush=True)
 
 def _hold(body: str, hold: float = 1.0) -> subprocess.CompletedProcess[str]:
     code = HOLD.format(body=body, hold=hold)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 def test_a_held_sigterm_is_taken_over_by_the_next_engine() -> None:

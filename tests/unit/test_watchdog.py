@@ -238,8 +238,9 @@ def test_a_finished_rank_is_not_a_hang(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_running_watchdog_tells_the_sigterm_handling_a_peer_exited(tmp_path: Path) -> None:
-    """Started, the watchdog is the process's witness: a peer on this host whose process
-    is gone (its heartbeat's pid and start time) is absent at once; stopped, it is not."""
+    """The running watchdog's probe (what the engine's SIGTERM handling is built with): a
+    peer on this host whose process is gone (its heartbeat's pid and start time) is
+    absent at once; stopped, the watchdog sees nothing."""
     port = _free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -249,20 +250,20 @@ def test_the_running_watchdog_tells_the_sigterm_handling_a_peer_exited(tmp_path:
         beat = {"host": dog.hostname, "pid": peer.pid, "start": start, "section": "iteration 3"}
         with dog._lock:
             dog._seen[1] = (b"x", time.monotonic(), beat)
-        assert absence.absent_peer() is None
+        assert dog.absent_peer() is None
         peer.kill()
         peer.wait()
-        assert absence.absent_peer() == f"rank 1 has exited (pid {peer.pid} on this host)"
+        assert dog.absent_peer() == f"rank 1 has exited (pid {peer.pid} on this host)"
         with dog._lock:
             dog._seen[1] = (b"y", time.monotonic(), dict(beat, done=True))
-        assert absence.absent_peer() is None  # it had finished cleanly
+        assert dog.absent_peer() is None  # it had finished cleanly
     finally:
         dog.stop()
         if peer.poll() is None:
             peer.kill()
             peer.wait()
         del master
-    assert absence.absent_peer() is None
+    assert dog.absent_peer() is None
 
 
 def test_recovery_attributes_the_hang_that_began_its_chain(tmp_path: Path) -> None:

@@ -1,34 +1,23 @@
-"""The training process's line to its supervisor, for in-process recovery.
+"""The training process's end of its supervisor pipe (in-process recovery).
 
 Under ``python -m baft.inprocess`` (see :mod:`baft.inprocess`) every rank's training code
 runs in a child of a small supervisor, and the two talk over a Unix pipe (never TCP:
-an abort shuts TCP sockets down, see below). This module is the child's end:
+an abort shuts TCP sockets down, see below) in the messages of :mod:`.messages`.
 
-- **down** (supervisor -> child), one message kind: ``("gen", g, port, cause, began_at)``,
-  "the job moved to generation ``g``; its c10d store listens on ``port``". A reader
-  thread takes it, marks the recovery pending and at once aborts this process's
-  communication of the old generation by shutting down the TCP sockets the training
-  function opened (:func:`baft.liveness.sockets.shutdown_tcp`): whatever the main thread
-  is blocked in (a gloo collective, a pipeline receive, the store) raises, and
-  :func:`baft.api.run` re-enters the training function in generation ``g``.
-- **up** (child -> supervisor): ``("progress", g)`` after the first iteration completed
-  in generation ``g`` (a recovery that finished); ``("failed", g, reason)`` when the
-  training function raised and no new generation came (a failure of this rank: the
-  supervisor starts a recovery or gives up); ``("suspect", g, ranks, reason)`` when this
-  rank's watchdog found frozen ranks (their supervisors replace them); ``("entered", g)``
-  when it re-entered the training function in generation ``g`` (a death before it
-  belongs to the generation before: a node lost at once is one failure, not a failure
-  during its recovery); ``("stuck", g)`` when the training thread has not taken the
-  announced generation ``g`` within :data:`STUCK_S` (its supervisor replaces it);
-  ``("ended", g)`` when the training function returned after every rank agreed the job
-  ended (``ft.close()``): from then on this rank's work (saving a model, a logger) is
-  its own, a failure of it is not recovered, and rank 0's supervisor keeps the control
-  store up until every rank ended; ``("refused", g, reason)`` when the training function
-  raised a :class:`baft.errors.Refusal`: every attempt would refuse again, so the
-  supervisors end the job once, with no restart.
+- **down**: :class:`~.messages.Announce` ("the job moved to generation ``g``; its c10d
+  store listens on ``port``"). A reader thread takes it, marks the recovery pending and
+  at once aborts this process's communication of the old generation by shutting down
+  the TCP sockets the training function opened (:func:`baft.inprocess.sockets.shutdown_tcp`):
+  whatever the main thread is blocked in (a gloo collective, a pipeline receive, the
+  store) raises, and :func:`baft.inprocess.run.run` re-enters the training function in
+  generation ``g``. A training thread that has not taken it within
+  ``InprocessTimeouts.stuck_s`` is hung off any socket: the channel says so
+  (:class:`~.messages.Stuck`) and the supervisor replaces the process.
+- **up**: the other messages, sent by the methods below.
 
-Nothing here imports from baft outside :mod:`baft.liveness`; without a supervisor
-:func:`current` is None and nothing changes.
+:class:`Channel` is the :class:`baft.liveness.generation.Link` the library sees; it also
+holds a SIGTERM that comes between two generations (:class:`SigtermHold`) for the next
+one's engine to flush.
 """
 
 from __future__ import annotations
@@ -39,44 +28,34 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
-from baft.liveness.sockets import shutdown_tcp, tcp_inodes
+from baft.config import InprocessTimeouts
+from baft.inprocess import messages as msg
+from baft.inprocess.sockets import shutdown_tcp, tcp_inodes
+from baft.liveness.generation import GENERATION_ENV, Generation
+from baft.liveness.termination import die_of_sigterm
+from baft.pipeline.loader import keep_loader_workers_through_sigterm
 
 log = logging.getLogger("baft")
 
-STUCK_S = float(os.environ.get("BAFT_INPROCESS_STUCK_S", "1"))
-"""Seconds a training thread has to take an announced generation (a survivor's abort
-and re-entry take well under one here) before its process counts as hung."""
-GENERATION_ENV = "BAFT_GENERATION"
-"""The generation a process (re-)entered the training function in; 0 at first."""
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """One generation of the job's process groups, as the supervisors announced it."""
-
-    number: int
-    port: int
-    """The c10d store of this generation (``MASTER_PORT`` inside the training function)."""
-    cause: str = ""
-    """Why it began (empty for generation 0)."""
-    began_at: float = 0.0
-    """Wall time the failure was seen by a supervisor (0 for generation 0)."""
-
 
 class Channel:
-    """The child's end of the supervisor pipe (a ``multiprocessing`` Connection)."""
+    """The child's end of the supervisor pipe (a ``multiprocessing`` Connection); the
+    :class:`baft.liveness.generation.Link` the library reports to."""
 
     def __init__(
         self,
         conn: Any,
         generation: Generation,
         rank: int,
+        *,
+        timeouts: InprocessTimeouts | None = None,
         on_lost: Callable[[], None] | None = None,
     ) -> None:
         self.conn = conn
+        self.timeouts = timeouts or InprocessTimeouts.from_env()
         self._on_lost = on_lost or _die
         self.rank = rank
         self.generation = generation
@@ -92,14 +71,16 @@ class Channel:
         self.close_agreed: bool | None = None
         """Whether the last ``ft.close()`` of this generation agreed on the job's end
         (None: no close yet)."""
+        self.hold: SigtermHold | None = None
+        """The SIGTERM hold :meth:`hold_sigterm` installed (main thread, once)."""
         self._reader = threading.Thread(target=self._read, name="baft-channel", daemon=True)
         self._reader.start()
 
     # ------------------------------------------------------------------ child -> supervisor
-    def _send(self, *msg: Any) -> None:
+    def _send(self, message: msg.Up) -> None:
         with self._lock:
             try:
-                self.conn.send(msg)
+                self.conn.send(message)
             except (OSError, ValueError) as e:  # the supervisor is gone: it takes us along
                 log.debug("baft channel: send failed: %s", e)
 
@@ -108,20 +89,20 @@ class Channel:
         g = self.generation.number
         if self._progressed != g:
             self._progressed = g
-            self._send("progress", g)
+            self._send(msg.Progress(g))
 
     def failed(self, reason: str) -> None:
-        self._send("failed", self.generation.number, reason)
+        self._send(msg.Failed(self.generation.number, reason))
 
     def suspect(self, ranks: list[int], reason: str) -> None:
-        self._send("suspect", self.generation.number, sorted(ranks), reason)
+        self._send(msg.Suspect(self.generation.number, tuple(sorted(ranks)), reason))
 
     def ended(self) -> None:
         """The training function returned after the job's agreed end."""
-        self._send("ended", self.generation.number)
+        self._send(msg.Ended(self.generation.number))
 
     def refused(self, reason: str) -> None:
-        self._send("refused", self.generation.number, reason)
+        self._send(msg.Refused(self.generation.number, reason))
 
     def closed(self, agreed: bool) -> None:
         """``ft.close()`` ran in this generation; ``agreed``: every rank ended with it."""
@@ -133,18 +114,35 @@ class Channel:
         module level); only what the training function opens belongs to a generation."""
         self._keep = tcp_inodes()
 
+    # ------------------------------------------------------------------ SIGTERM between generations
+    def hold_sigterm(self) -> None:
+        """Hold SIGTERM for this process's life between engines (see :class:`SigtermHold`).
+        From the main thread; a no-op elsewhere or when already installed."""
+        if self.hold is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self.hold = SigtermHold(self.timeouts.hold_sigterm_s)
+        signal.signal(signal.SIGTERM, self.hold.handle)
+        keep_loader_workers_through_sigterm()
+
+    def take_held_sigterm(self) -> bool:
+        return self.hold is not None and self.hold.take()
+
+    def hold_sigterm_again(self) -> None:
+        if self.hold is not None:
+            self.hold.give_back()
+
     # ------------------------------------------------------------------ supervisor -> child
     def _read(self) -> None:
         while True:
             try:
-                msg = self.conn.recv()
+                message = self.conn.recv()
             except (EOFError, OSError):  # the supervisor is gone: so is this rank
                 log.error("baft: the supervisor of rank %d is gone: leaving", self.rank)
                 self._on_lost()
                 return
-            if msg[0] != "gen":
+            if not isinstance(message, msg.Announce):
                 continue
-            gen = Generation(int(msg[1]), int(msg[2]), str(msg[3]), float(msg[4]))
+            gen = message.generation
             with self._lock:
                 if gen.number <= self.generation.number:
                     continue
@@ -161,10 +159,11 @@ class Channel:
     def _keep_aborting(self) -> None:
         """Until the main thread takes the new generation, a connection it opens for the
         old one (a rendezvous it was entering) is shut down too, so it cannot wait there.
-        A main thread that has not taken it after :data:`STUCK_S` is hung off any socket
-        (a stuck read, a deadlock, a sleep): this rank says so and its supervisor
-        replaces the process (its watchdog still beats, so no peer names it)."""
-        deadline: float | None = time.monotonic() + STUCK_S
+        A main thread that has not taken it after ``stuck_s`` is hung off any socket (a
+        stuck read, a deadlock, a sleep): this rank says so and its supervisor replaces
+        the process (its watchdog still beats, so no peer names it)."""
+        stuck_s = self.timeouts.stuck_s
+        deadline: float | None = time.monotonic() + stuck_s
         while True:
             with self._lock:  # enter() takes the lock: no shutdown after it returned
                 pending = self._pending
@@ -176,9 +175,9 @@ class Channel:
                 log.error(
                     "baft: the training thread of rank %d has not taken generation %d within "
                     "%.1f s (hung off any socket): its supervisor replaces this process",
-                    self.rank, pending.number, STUCK_S,
+                    self.rank, pending.number, stuck_s,
                 )  # fmt: skip
-                self._send("stuck", pending.number)
+                self._send(msg.Stuck(pending.number))
             try:
                 if self.conn.poll(0.05):  # a newer message: read it
                     return
@@ -208,8 +207,47 @@ class Channel:
         self.entered_at = time.time()
         os.environ["MASTER_PORT"] = str(gen.port)
         os.environ[GENERATION_ENV] = str(gen.number)
-        self._send("entered", gen.number)
+        self._send(msg.Entered(gen.number))
         return gen
+
+
+class SigtermHold:
+    """The process-wide SIGTERM handler between two generations' engines: a SIGTERM that
+    comes while no :class:`~baft.liveness.termination.Termination` is installed (during a
+    recovery) is held until the next engine's takes it over (its flush then follows the
+    restore); the process leaves if none does within ``hold_s``. One per process: a
+    signal's disposition is process-wide state, so this is too."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.pid = os.getpid()
+        self.pending = False
+        """A SIGTERM came and no :class:`Termination` has taken it over yet."""
+        self._taken = threading.Event()
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid or self.pending:  # a forked DataLoader worker: not ours
+            return
+        log.warning("SIGTERM: held for the next generation's flush (at most %.0f s)", self.hold_s)
+        self.pending = True
+        self._taken.clear()
+        threading.Thread(target=self._expire, name="baft-sigterm-hold", daemon=True).start()
+
+    def _expire(self) -> None:
+        if not self._taken.wait(self.hold_s):
+            die_of_sigterm(f"no engine took the held SIGTERM over within {self.hold_s:.0f} s")
+
+    def take(self) -> bool:
+        """A :class:`Termination` takes the SIGTERM over; whether one was pending."""
+        was, self.pending = self.pending, False
+        self._taken.set()
+        return was
+
+    def give_back(self) -> None:
+        """A :class:`Termination` that had the SIGTERM was uninstalled unflushed (an
+        in-process recovery began): hold it again for the next one."""
+        if not self.pending:
+            self.handle(signal.SIGTERM, None)
 
 
 def _abort_nccl() -> None:
@@ -225,63 +263,5 @@ def _abort_nccl() -> None:
         log.warning("baft: aborting the NCCL groups failed: %s", e)
 
 
-class GenerationAborted(RuntimeError):
-    """The supervisors announced a new generation: a wait of the old one gives up."""
-
-
-def check_aborted() -> None:
-    """Raise :class:`GenerationAborted` when a new generation was announced to this
-    process: for baft's waits that are not on a socket (same-host shared memory polls),
-    which the abort's socket shutdown cannot interrupt. Cheap; a no-op without a
-    supervisor."""
-    ch = _current
-    if ch is not None and ch._pending is not None:
-        raise GenerationAborted(
-            f"generation {ch._pending.number} began ({ch._pending.cause}): this wait of "
-            f"generation {ch.generation.number} gives up"
-        )
-
-
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-_current: Channel | None = None
-
-
-def recovery_phases(fault_at: float | None, t_launch: float) -> dict[str, float]:
-    """The in-process recovery's phases up to this process's (re-)entry, when this
-    generation is a recovery: ``detect`` (the fault to the supervisor that saw it; when
-    the fault's time is known) and ``abort`` (a survivor: from there to re-entering the
-    training function) or ``replace`` (a replacement: to its start)."""
-    ch = _current
-    if ch is None or ch.generation.number == 0 or not ch.generation.began_at:
-        return {}
-    began = ch.generation.began_at
-    out = {"detect": began - fault_at} if fault_at is not None else {}
-    out["replace" if ch.spawned_in == ch.generation.number else "abort"] = t_launch - began
-    return out
-
-
-def describe() -> dict[str, object]:
-    """This process's generation for a recovery record (empty without a supervisor)."""
-    ch = _current
-    if ch is None:
-        return {}
-    g = ch.generation
-    return {"generation": g.number, "cause": g.cause, "replacement": ch.spawned_in == g.number}
-
-
-def current() -> Channel | None:
-    """This process's channel to its supervisor, or None (not under ``baft.inprocess``)."""
-    return _current
-
-
-def install(channel: Channel | None) -> None:
-    global _current
-    _current = channel
-
-
-def generation() -> int:
-    """The generation this process runs in (0 without a supervisor)."""
-    return int(os.environ.get(GENERATION_ENV, "0"))
