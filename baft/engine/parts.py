@@ -1,54 +1,30 @@
 """What the checkpoint engine is built from: the state it snapshots and its collaborators.
 
-:class:`StateSource` is the seam to the training state (``RunnerState`` implements it over
-the step runner; tests use small fakes); :class:`EngineParts` are the collaborators that
-:func:`baft.engine.build.build_engine` makes with I/O and hands in.
+:data:`StateSource` is the seam to the training state: the engine's name for
+:class:`baft.pipeline.live.LiveState`, the one Protocol of the live state, which recovery
+uses too (``RunnerState`` implements it over the step runner; tests use small fakes).
+:class:`EngineParts` are the collaborators that :func:`baft.engine.build.build_engine`
+makes with I/O and hands in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from baft.engine.device import DeviceCopy
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import Transport
 from baft.engine.worker import ProtectWorker
 from baft.liveness.termination import Termination
+from baft.pipeline.live import LiveState
 from baft.store.disk import Persister, PersistKeys
 from baft.store.peer import PeerStore
 from baft.store.shm import SnapshotStore
 
-
-class StateSource(Protocol):
-    """What the engine snapshots: a fixed list of named tensors, plus small state (RNG,
-    hyperparameters, stateful objects) that lives in some of those tensors."""
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every checkpointed tensor, canonical order; the list never changes."""
-        ...
-
-    def capture(self) -> None:
-        """Refresh the small-state tensors from the live objects (a version's start)."""
-        ...
-
-    def apply(self) -> None:
-        """Load the small state from its tensors into the live objects (after a restore)."""
-        ...
-
-    def check_layout(self, saved: list[tuple[str, int]]) -> None:
-        """Raise ValueError naming the differences unless ``saved`` ((name, bytes) as
-        :meth:`named_tensors` names them) is this layout; before restored bytes are written."""
-        ...
-
-    def named_params(self) -> dict[str, torch.Tensor]:
-        """Parameter FQN -> parameter (the ``model.<fqn>`` tensors' owners)."""
-        ...
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
+StateSource = LiveState
+"""The engine's name for :class:`baft.pipeline.live.LiveState` (``baft.engine.engine``
+imports and re-exports it)."""
 
 
 @dataclass

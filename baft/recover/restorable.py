@@ -5,8 +5,10 @@
 test fake (``tests/unit/test_restore_fake.py``). It names everything recovery reads
 (the rank's place in the job, its own snapshot store, the DCP tier's settings and keys)
 and everything it does to the rank (write restored bytes, apply the small state, forget
-the store's versions, start). Nothing here imports the engine; the transport seam
-(:mod:`baft.engine.transport`) is the one engine module recovery uses.
+the store's versions, start). The live state behind the flat bytes is
+:class:`baft.pipeline.live.LiveState`, the Protocol the engine snapshots too. Nothing
+here imports the engine; the transport seam (:mod:`baft.engine.transport`) is the one
+engine module recovery uses.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import torch
 
 from baft.engine.transport import Transport
 from baft.faults.spec import FaultRecord
+from baft.pipeline.live import LiveState
 from baft.plan.types import TensorSpec
 from baft.store.coding import Redundancy
 from baft.store.disk import PersistKeys, ShardLayout
 from baft.store.shm import SnapshotStore
 from baft.topology import Topology
 
-__all__ = ["FaultHook", "FlatBytes", "LiveState", "Restorable"]
+__all__ = ["FaultHook", "FlatBytes", "Restorable"]
 
 
 class FlatBytes(Protocol):
@@ -51,31 +54,6 @@ class FlatBytes(Protocol):
 
     def write_from(self, start: int, data: torch.Tensor) -> None:
         """Overwrite flat bytes ``[start, start + len(data))`` of the live tensors."""
-        ...
-
-
-class LiveState(Protocol):
-    """The live objects behind the flat state (:class:`~baft.engine.engine.StateSource`):
-    what a differential replay steps and what small state a restore applies."""
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every checkpointed tensor by flat-state name, canonical order."""
-        ...
-
-    def named_params(self) -> dict[str, torch.Tensor]:
-        """Parameter FQN -> parameter (the replay's groups)."""
-        ...
-
-    def apply(self) -> None:
-        """Load the small state from its tensors into the live objects."""
-        ...
-
-    def check_layout(self, saved: list[tuple[str, int]]) -> None:
-        """Raise ValueError naming the differences unless ``saved`` ((name, bytes)) is
-        this state's layout."""
         ...
 
 

@@ -19,18 +19,17 @@ from torch import nn
 from torch.optim import lr_scheduler as lrs
 
 from baft.engine.flat import FlatState, byte_view
-from baft.pipeline.state import (
-    TrainingState,
+from baft.pipeline.encoding import decode_blob, encode_blob
+from baft.pipeline.optim_state import (
     check_optimizer,
-    decode_blob,
     decode_hypers,
-    decode_record,
-    encode_blob,
     encode_hypers,
     init_optimizer_state,
     load_param_group_hypers,
     param_group_hypers,
 )
+from baft.pipeline.small_state import decode_record
+from baft.pipeline.state import TrainingState
 
 # ---------------------------------------------------------------------- fixtures
 
