@@ -12,26 +12,23 @@ of 8) and cut into k segments. Stripe ``s`` (0 <= s < G) has parity holders memb
 ``s, s+1, .., s+m-1`` (mod G) and data contributors ``s+m, .., s+G-1`` (mod G); each
 contributor gives its next unused segment, so each segment lands in exactly one stripe.
 
-Only numpy and zfec; no processes, threads or I/O.
+The policies and the grouping of ranks are :mod:`baft.store.policy`, the byte kernels
+(XOR, zfec) :mod:`baft.store.codec`. Only numpy and zfec; no processes, threads or I/O.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import zfec
 
+from baft.store import codec
+from baft.store.codec import BytesLike
+from baft.store.policy import Redundancy, coding_groups  # callers import these here too
 from baft.topology import Topology
 
-BytesLike = bytes | bytearray | memoryview | np.ndarray
-"""Anything exposing a contiguous byte buffer."""
-
-KINDS = ("none", "replicate", "xor", "rs")
-_FORMATS = "'none', 'replicate:C' (C>=1 copies), 'xor:G' (G>=2 members) or 'rs:K+M' (K,M>=1)"
 _ALIGN = 8
 
 
@@ -41,102 +38,6 @@ class UnrecoverableError(Exception):
     def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.missing = missing
-
-
-@dataclass(frozen=True, slots=True)
-class Redundancy:
-    """How snapshot shards are protected across nodes.
-
-    Uniform encoding: ``k`` data blocks and ``m`` redundant blocks per stripe, so
-    ``group_size == k + m`` and ``tolerance == m`` for every kind. ``none`` is
-    (k=1, m=0); ``replicate:C`` is (k=1, m=C); ``xor:G`` is (k=G-1, m=1); ``rs:K+M`` is
-    (k=K, m=M).
-    """
-
-    kind: str
-    """One of ``none``, ``replicate``, ``xor``, ``rs``."""
-    k: int = 1
-    """Data blocks per stripe (1 for none and replicate)."""
-    m: int = 0
-    """Redundant blocks per stripe = node losses tolerated per group."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"redundancy kind {self.kind!r} unknown; use {_FORMATS}")
-        ok = {
-            "none": self.k == 1 and self.m == 0,
-            "replicate": self.k == 1 and self.m >= 1,
-            "xor": self.k >= 1 and self.m == 1,
-            "rs": self.k >= 1 and self.m >= 1 and self.k + self.m <= 256,
-        }[self.kind]
-        if not ok:
-            raise ValueError(
-                f"invalid {self.kind} redundancy k={self.k} m={self.m}; use {_FORMATS} "
-                "(rs needs k+m <= 256)"
-            )
-
-    @classmethod
-    def parse(cls, text: str) -> Redundancy:
-        """Parse ``none`` | ``replicate:C`` | ``xor:G`` | ``rs:K+M``."""
-        kind, _, arg = text.strip().partition(":")
-        try:
-            if kind == "none" and not arg:
-                return cls(kind="none")
-            if kind == "replicate":
-                return cls(kind="replicate", k=1, m=int(arg))
-            if kind == "xor":
-                return cls(kind="xor", k=int(arg) - 1, m=1)
-            if kind == "rs":
-                k_text, plus, m_text = arg.partition("+")
-                if plus:
-                    return cls(kind="rs", k=int(k_text), m=int(m_text))
-        except ValueError as err:
-            raise ValueError(f"cannot parse redundancy {text!r}: {err}; use {_FORMATS}") from None
-        raise ValueError(f"cannot parse redundancy {text!r}; use {_FORMATS}")
-
-    @property
-    def group_size(self) -> int:
-        """Members per coding group (each on a distinct node)."""
-        return self.k + self.m
-
-    @property
-    def tolerance(self) -> int:
-        """Node losses tolerated per coding group."""
-        return self.m
-
-    def __str__(self) -> str:
-        if self.kind == "none":
-            return "none"
-        if self.kind == "replicate":
-            return f"replicate:{self.m}"
-        if self.kind == "xor":
-            return f"xor:{self.k + 1}"
-        return f"rs:{self.k}+{self.m}"
-
-
-def coding_groups(topology: Topology, red: Redundancy) -> tuple[tuple[int, ...], ...]:
-    """Groups of ranks with the same local index on ``group_size`` consecutive nodes."""
-    size = red.group_size
-    if size > topology.num_nodes or topology.num_nodes % size:
-        raise ValueError(
-            f"redundancy {red} needs groups of {size} nodes but there are "
-            f"{topology.num_nodes} nodes; pick a group size that divides {topology.num_nodes} "
-            "(e.g. xor:G or rs:K+M with G or K+M a divisor) or change ranks_per_node"
-        )
-    groups = []
-    for first in range(0, topology.num_nodes, size):
-        nodes = range(first, first + size)
-        for local in range(topology.ranks_per_node):
-            groups.append(tuple(topology.ranks_on_node(n)[local] for n in nodes))
-    return tuple(groups)
-
-
-def group_of(topology: Topology, red: Redundancy, rank: int) -> tuple[int, ...]:
-    """The coding group containing ``rank``."""
-    for group in coding_groups(topology, red):
-        if rank in group:
-            return group
-    raise ValueError(f"rank {rank} outside the topology {topology}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +260,7 @@ class GroupLayout:
             raise ValueError(
                 f"region {region_id} takes {len(region.sources)} inputs, got {len(inputs)}"
             )
-        arrays = [_u8(x) for x in inputs]
+        arrays = [codec.u8(x) for x in inputs]
         for a, seg in zip(arrays, region.sources, strict=True):
             if a.size != seg.nbytes:
                 raise ValueError(
@@ -372,11 +273,11 @@ class GroupLayout:
         if region.kind == "replica":
             out[:] = arrays[0]
         elif self.redundancy.kind == "xor":
-            _xor_into(out, arrays)
+            codec.xor_into(out, arrays)
         else:
-            blocks = _padded(arrays, self.segment_nbytes)
+            blocks = codec.padded(arrays, self.segment_nbytes)
             k = self.redundancy.k
-            parity = _encoder(k, k + self.redundancy.m).encode(blocks, (k + region.block,))[0]
+            parity = codec.encoder(k, k + self.redundancy.m).encode(blocks, (k + region.block,))[0]
             out[:] = np.frombuffer(parity, np.uint8)
         return out
 
@@ -486,7 +387,7 @@ class GroupLayout:
         elif out.size != n:
             raise ValueError(f"out has {out.size} bytes, shard of rank {member_rank} has {n}")
         if recipe.kind == "replica":
-            out[:] = _u8(regions[recipe.region_ids[0]])[:n]
+            out[:] = codec.u8(regions[recipe.region_ids[0]])[:n]
             return out
         target = self._index(member_rank)
         for index, stripe in enumerate(self._stripes):
@@ -512,22 +413,22 @@ class GroupLayout:
         for d, (mem, seg_index) in enumerate(stripe.data):
             seg = self._segment(mem, seg_index)
             if d != position and seg in segs:
-                data = _u8(shards[seg.rank]) if seg.nbytes else np.empty(0, np.uint8)
+                data = codec.u8(shards[seg.rank]) if seg.nbytes else np.empty(0, np.uint8)
                 blocks.append(data[seg.offset : seg.offset + seg.nbytes])
                 nums.append(d)
         k = self.redundancy.k
         for p in range(len(stripe.holders)):
             rid = self._parity_id(index, p)
             if rid in recipe.region_ids and len(blocks) < k:
-                blocks.append(_u8(regions[rid]))
+                blocks.append(codec.u8(regions[rid]))
                 nums.append(k + p)
         assert len(blocks) == k, (index, nums)
         if self.redundancy.kind == "xor":
             out = np.zeros(self.segment_nbytes, np.uint8)
-            _xor_into(out, blocks)
+            codec.xor_into(out, blocks)
             return out
-        padded = _padded(blocks, self.segment_nbytes)
-        decoded = _decoder(k, k + self.redundancy.m).decode(padded, nums)
+        padded = codec.padded(blocks, self.segment_nbytes)
+        decoded = codec.decoder(k, k + self.redundancy.m).decode(padded, nums)
         return np.frombuffer(decoded[position], np.uint8)
 
 
@@ -541,47 +442,3 @@ def group_layouts(
         for r in group:
             out[r] = layout
     return out
-
-
-# --------------------------------------------------------------------- helpers
-def _u8(x: BytesLike) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x.reshape(-1).view(np.uint8)
-    return np.frombuffer(x, np.uint8)
-
-
-def _xor_into(out: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
-    """out ^= each array (zero-extended), on uint64 views where aligned."""
-    out[:] = 0
-    wide = out.size // 8 * 8
-    out64 = out[:wide].view(np.uint64) if out.ctypes.data % 8 == 0 else None
-    for a in arrays:
-        n = a.size
-        head = min(n, wide) // 8 * 8
-        if out64 is not None and head and a.ctypes.data % 8 == 0:
-            np.bitwise_xor(out64[: head // 8], a[:head].view(np.uint64), out=out64[: head // 8])
-            np.bitwise_xor(out[head:n], a[head:n], out=out[head:n])
-        else:
-            np.bitwise_xor(out[:n], a, out=out[:n])
-
-
-def _padded(arrays: Sequence[np.ndarray], nbytes: int) -> list[np.ndarray]:
-    out = []
-    for a in arrays:
-        if a.size == nbytes:
-            out.append(np.ascontiguousarray(a))
-        else:
-            buf = np.zeros(nbytes, np.uint8)
-            buf[: a.size] = a
-            out.append(buf)
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _encoder(k: int, n: int) -> zfec.Encoder:
-    return zfec.Encoder(k, n)
-
-
-@functools.lru_cache(maxsize=64)
-def _decoder(k: int, n: int) -> zfec.Decoder:
-    return zfec.Decoder(k, n)

@@ -8,24 +8,19 @@ with plain ``dcp.load`` into a fresh model and optimizer, in any shard layout: t
 follow torch's conventions (:mod:`baft.store.keys`), DTensor pieces keep their global
 placements, and non-tensor values (torch's flattened ``param_groups``) are plain data.
 
-Layout under ``directory``::
-
-    v00000012/            a DCP checkpoint (.metadata, __<rank>_0.distcp)
-    v00000012/baft_meta.json   caller metadata, written by the coordinator
-    v00000012/.complete   commit marker: every rank finished, metadata written
-    latest                "12": the newest complete version (atomically replaced)
-
-A checkpoint counts only once its ``.complete`` exists; the coordinator (rank 0 of the
-group) writes it, then replaces ``latest``, then tells every rank the outcome. A crash
-at any point leaves either the previous ``latest`` or a complete new checkpoint.
-Deleting goes the other way round (marker first), so a half-deleted checkpoint is a
-partial one. Saves are collective: every rank calls :meth:`Persister.save_async` for
+The directory layout (``v00000012/`` with its ``.complete`` marker, ``latest``) and which
+versions are complete: :mod:`baft.store.disk_layout`. A checkpoint counts only once its
+``.complete`` exists; the coordinator (rank 0 of the group) writes it, then replaces
+``latest``, then tells every rank the outcome. A crash at any point leaves either the
+previous ``latest`` or a complete new checkpoint. Deleting goes the other way round
+(marker first), so a half-deleted checkpoint is a partial one. Saves are collective: every rank calls :meth:`Persister.save_async` for
 the same versions in the same order.
 
-Recovery loads from here (:func:`load_version`) as it reads the memory tier
-(:mod:`baft.store.shm`). TP shards are saved and loaded as the DTensors they belong to,
-described by a :class:`ShardLayout` (``baft.pipeline.layout.GlobalLayout`` is one), so
-this tier imports nothing above the store.
+Recovery loads from here (:func:`~baft.store.dcp_state.load_version`) as it reads the
+memory tier (:mod:`baft.store.shm`). TP shards are saved and loaded as the DTensors they
+belong to, described by a :class:`~baft.store.dcp_state.ShardLayout`
+(``baft.pipeline.layout.GlobalLayout`` is one), so this tier imports nothing above the
+store. This module is the writer: :class:`Persister` and its background thread.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import json
 import logging
 import os
 import queue
-import re
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -42,16 +36,34 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
-from torch.distributed.tensor import DTensor
 
+from baft.store.dcp_state import (  # noqa: F401 - re-exported: callers load from here
+    PLAIN_VALUES,
+    ShardLayout,
+    as_dtensors,
+    compact_state,
+    is_plain,
+    load_version,
+)
+from baft.store.disk_layout import (  # noqa: F401 - re-exported: callers read the layout here
+    COMPLETE_MARKER,
+    LATEST_FILE,
+    META_FILE,
+    META_FORMAT,
+    latest_version,
+    list_versions,
+    read_metadata,
+    scan,
+    select_prunable,
+    version_dir,
+)
 from baft.store.keys import (  # noqa: F401 - re-exported: the disk tier's key schemes
     KEYS_META,
     PersistKeys,
@@ -61,182 +73,7 @@ from baft.store.keys import (  # noqa: F401 - re-exported: the disk tier's key s
     persist_name,
 )
 
-COMPLETE_MARKER = ".complete"
-"""File inside a version directory that marks the checkpoint complete."""
-LATEST_FILE = "latest"
-"""File in the checkpoint root holding the newest complete version as decimal text."""
-META_FILE = "baft_meta.json"
-"""Caller metadata next to the DCP files, written by the coordinator."""
-META_FORMAT = 1
-"""Format number stored in ``baft_meta.json``."""
-
-_log = logging.getLogger(__name__)
-_VERSION_DIR = re.compile(r"^v(\d{8,})$")
-
-
-class ShardLayout(Protocol):
-    """Where a rank-local tensor sits in its DTensor (a TP shard): what the disk tier
-    needs to save and load it as that DTensor. :class:`baft.pipeline.layout.GlobalLayout`
-    is one."""
-
-    @property
-    def mesh(self) -> Any: ...
-    @property
-    def placements(self) -> tuple[Any, ...]: ...
-    @property
-    def shape(self) -> torch.Size: ...
-    @property
-    def stride(self) -> tuple[int, ...]: ...
-
-
-def as_dtensors(
-    state: Mapping[str, torch.Tensor], layouts: Mapping[str, ShardLayout]
-) -> dict[str, torch.Tensor]:
-    """``state`` with every plain tensor named in ``layouts`` wrapped, without a copy or a
-    collective, as the DTensor whose local shard it is. baft snapshots rank-local bytes;
-    DCP must see TP shards as DTensors, else the shards of one tensor are same-named
-    plain tensors and DCP keeps one of them (every other TP rank restores its bytes)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        g = layouts.get(key)
-        out[key] = (
-            t
-            if g is None or isinstance(t, DTensor)
-            else DTensor.from_local(
-                t, g.mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride
-            )
-        )
-    return out
-
-
-def version_dir(directory: str | Path, version: int) -> Path:
-    """Directory of ``version`` under ``directory`` (``v{version:08d}``)."""
-    return Path(directory) / f"v{version:08d}"
-
-
-def _scan(directory: Path) -> tuple[list[int], list[int]]:
-    """(complete, partial) versions found under ``directory``, each ascending."""
-    complete: list[int] = []
-    partial: list[int] = []
-    if not directory.is_dir():
-        return complete, partial
-    for entry in directory.iterdir():
-        match = _VERSION_DIR.match(entry.name)
-        if match is None or not entry.is_dir():
-            continue
-        version = int(match.group(1))
-        is_complete = (entry / COMPLETE_MARKER).is_file()
-        (complete if is_complete else partial).append(version)
-    return sorted(complete), sorted(partial)
-
-
-def list_versions(directory: str | Path) -> list[int]:
-    """Versions under ``directory`` that are complete checkpoints, ascending."""
-    return _scan(Path(directory))[0]
-
-
-def latest_version(directory: str | Path) -> int | None:
-    """The version named by the ``latest`` marker, or None when nothing is complete.
-
-    The marker is trusted only when its version is complete; if it is missing, garbled
-    or points at a deleted or partial directory, the newest complete version is
-    returned instead.
-    """
-    root = Path(directory)
-    try:
-        marked: int | None = int((root / LATEST_FILE).read_text().strip())
-    except (OSError, ValueError):
-        marked = None
-    if marked is not None and (version_dir(root, marked) / COMPLETE_MARKER).is_file():
-        return marked
-    complete = list_versions(root)
-    return complete[-1] if complete else None
-
-
-def select_prunable(complete: list[int], partial: list[int], keep_latest: int) -> list[int]:
-    """Versions to delete: complete ones beyond the newest ``keep_latest``, and
-    partial ones older than the newest complete (pure; inputs need not be sorted)."""
-    if keep_latest < 1:
-        raise ValueError(f"keep_latest must be >= 1, got {keep_latest}")
-    ordered = sorted(complete)
-    if not ordered:
-        return []
-    doomed = ordered[:-keep_latest]
-    doomed += [v for v in partial if v < ordered[-1]]
-    return sorted(doomed)
-
-
-def read_metadata(directory: str | Path, version: int) -> dict[str, Any]:
-    """Caller metadata stored with ``version`` ({} when the file is absent)."""
-    path = version_dir(directory, version) / META_FILE
-    if not path.is_file():
-        return {}
-    record = json.loads(path.read_text())
-    meta = record.get("metadata", {})
-    assert isinstance(meta, dict), f"corrupt {path}"
-    return meta
-
-
-def load_version(
-    directory: str | Path,
-    version: int,
-    state: dict[str, torch.Tensor],
-    process_group: ProcessGroup | None = None,
-    layouts: Mapping[str, ShardLayout] | None = None,
-) -> dict[str, Any]:
-    """Load complete checkpoint ``version`` in place into ``state``; return its metadata.
-
-    ``layouts``: keys whose rank-local tensors are DTensor shards, loaded as those
-    DTensors (see :attr:`Persister.layouts`).
-
-    Plain ``dcp.load``: without an initialized default group it loads in this process
-    alone; otherwise it is collective over ``process_group`` (default: the world).
-    """
-    complete = list_versions(directory)
-    if version not in complete:
-        raise ValueError(
-            f"version {version} is not a complete checkpoint in {directory}; "
-            f"pick one of {complete} (see latest_version())"
-        )
-    wanted = as_dtensors(state, layouts or {})
-    check_against_metadata(wanted, directory, version)
-    no_dist = not (dist.is_available() and dist.is_initialized())
-    dcp.load(
-        wanted,
-        storage_reader=FileSystemReader(version_dir(directory, version)),
-        process_group=process_group,
-        no_dist=no_dist,
-    )
-    return read_metadata(directory, version)
-
-
-def check_against_metadata(
-    state: Mapping[str, torch.Tensor], directory: str | Path, version: int
-) -> None:
-    """Raise ValueError naming every key of ``state`` that checkpoint ``version`` lacks or
-    holds with another global shape or dtype (DTensors by their global shape); before a
-    byte is read. DCP itself refuses a missing key or another size, but would convert
-    another dtype silently; this names all of them at once."""
-    saved = FileSystemReader(version_dir(directory, version)).read_metadata()
-    problems: list[str] = []
-    for key, t in state.items():
-        md = saved.state_dict_metadata.get(key)
-        if md is None:
-            problems.append(f"{key} (absent)")
-            continue
-        size, props = getattr(md, "size", None), getattr(md, "properties", None)
-        if size is None or props is None:
-            problems.append(f"{key} (saved as an object, not a tensor)")
-        elif tuple(size) != tuple(t.shape) or props.dtype != t.dtype:
-            problems.append(
-                f"{key} (saved {props.dtype}{list(size)}, now {t.dtype}{list(t.shape)})"
-            )
-    if problems:
-        shown = "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
-        raise ValueError(
-            f"{version_dir(directory, version)} does not hold this job's tensors "
-            f"({len(problems)} differ): {shown}; nothing was loaded"
-        )
+log = logging.getLogger("baft")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -256,67 +93,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory as ``tensor`` behind a storage of exactly its size, if possible.
-
-    DCP's writer clones any CPU tensor whose storage is larger than the tensor (so
-    ``torch.save`` does not write the whole snapshot buffer); a zero-copy re-wrap of
-    the view avoids that copy. Anything else is returned unchanged.
-    """
-    if (
-        tensor.device.type != "cpu"
-        or not tensor.is_contiguous()
-        or tensor.numel() == 0
-        or tensor.untyped_storage().nbytes() == tensor.nbytes
-    ):
-        return tensor
-    carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
-        tensor.element_size()
-    )
-    if carrier is None or tensor.is_complex() or tensor.is_quantized:
-        return tensor
-    try:
-        raw = tensor.detach().view(carrier).numpy()
-    except (RuntimeError, TypeError):  # e.g. a lazy negation view; DCP will clone
-        return tensor
-    return torch.from_numpy(raw).view(tensor.dtype)
-
-
-def _compact_state(state: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for fqn, value in state.items():
-        if isinstance(value, DTensor):
-            local = value.to_local()
-            compact = _compact(local)
-            out[fqn] = (
-                value
-                if compact is local
-                else DTensor.from_local(
-                    compact,
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
-            )
-        elif isinstance(value, torch.Tensor):
-            out[fqn] = _compact(value)
-        else:  # a plain value (optimizer.param_groups.*): DCP pickles it
-            out[fqn] = value
-    return out
-
-
-PLAIN_VALUES = (bool, int, float, str, type(None))
-"""Non-tensor values a checkpoint may hold (also inside tuples and lists)."""
-
-
-def _plain(value: Any) -> bool:
-    if isinstance(value, (torch.Tensor, *PLAIN_VALUES)):
-        return True
-    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
 class SaveHandle:
@@ -492,7 +268,7 @@ class Persister:
                 f"{self._last_version}; persist versions in increasing order"
             )
         for fqn, value in state.items():
-            if not isinstance(fqn, str) or not _plain(value):
+            if not isinstance(fqn, str) or not is_plain(value):
                 raise ValueError(
                     f"state must map FQN strings to tensors or plain values; got {fqn!r}: "
                     f"{type(value).__name__}"
@@ -526,7 +302,7 @@ class Persister:
             # Re-saving a version: it stops being complete before any byte changes.
             (target / COMPLETE_MARKER).unlink(missing_ok=True)
         dcp.save(
-            _compact_state(job.state),
+            compact_state(job.state),
             storage_writer=FileSystemWriter(
                 target, single_file_per_rank=True, sync_files=True, overwrite=True
             ),
@@ -565,7 +341,7 @@ class Persister:
     def _prune(self) -> None:
         """Delete old checkpoints; failures are logged, never raised (the new one is
         already complete)."""
-        complete, partial = _scan(self.directory)
+        complete, partial = scan(self.directory)
         for version in select_prunable(complete, partial, self.keep_latest):
             path = version_dir(self.directory, version)
             try:
@@ -573,4 +349,4 @@ class Persister:
                 _fsync_dir(path)
                 shutil.rmtree(path)
             except OSError as e:
-                _log.warning("could not delete old checkpoint %s: %s", path, e)
+                log.warning("could not delete old checkpoint %s: %s", path, e)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from baft.store.coding import GroupLayout, Redundancy, Region
+from baft.store.coding import GroupLayout, Region
+from baft.store.policy import Redundancy
 from baft.topology import Topology
 
 FORMAT = 1

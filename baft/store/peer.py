@@ -23,7 +23,7 @@ import numpy as np
 
 from baft.store import progress
 from baft.store.paths import PROGRESS_FILE, slot_file_name
-from baft.store.shm import MAX_SLOTS
+from baft.store.slots import MAX_SLOTS
 
 
 class PeerStore:

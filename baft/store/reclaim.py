@@ -1,8 +1,11 @@
 """Housekeeping of job stores on a host: stores left by an earlier rank numbering, stores
-of other jobs nobody holds, and (fault injection) a node's or a job's stores removed.
+of jobs nobody holds, and (fault injection) a node's or a job's stores removed.
 
 Everything here works on directories under a store root; one rank's store itself is
-:class:`baft.store.shm.SnapshotStore`.
+:class:`baft.store.shm.SnapshotStore`. A job's stores are freed only when no live process
+holds them (the allocation lock of every rank directory is free, see
+:meth:`baft.store.versions.VersionLog.open_progress`) and nobody wrote to them for a while
+(:func:`reclaim_stale_jobs`): deleting a running job's store would lose its snapshots.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import time
 from pathlib import Path
 
 from baft.store.paths import PROGRESS_FILE, find_stores, is_job_dir, job_path, node_path
-from baft.store.shm import SnapshotStore, _try
+from baft.store.shm import DEFAULT_ROOT, SnapshotStore
+from baft.store.versions import or_none
 
 
 def reclaim_foreign(
@@ -29,18 +33,22 @@ def reclaim_foreign(
         if (a.node, a.rank) in own:
             continue
         store = SnapshotStore(a.root, a.job_id, a.node, a.rank, 0)
-        versions = [_try(store.read_manifest, s) for s in range(store.num_slots)]
+        versions = [or_none(store.read_manifest, s) for s in range(store.num_slots)]
         if all(m is None or m.version <= newer_than for m in versions):
             store.destroy()
             removed.append(store.path)
     return removed
 
 
-def reclaim_other_jobs(root: Path, keep_job_id: str, idle_s: float = 3600.0) -> list[Path]:
-    """Remove stores of other jobs under ``root`` that no live process holds (the
-    allocation lock is free in every rank directory) and whose files nobody changed for
-    ``idle_s`` seconds (a job between torchrun restarts holds no lock for a moment, but
-    was written to moments ago). Returns the job directories removed."""
+def reclaim_stale_jobs(
+    root: Path = DEFAULT_ROOT, idle_s: float = 3600.0, *, keep_job_id: str | None = None
+) -> list[Path]:
+    """Remove every job's stores under ``root`` that belong to no live job: no live process
+    holds them (the allocation lock is free in every rank directory) and nobody changed
+    their files for ``idle_s`` seconds (a job between torchrun restarts holds no lock for
+    a moment, but was written to moments ago). ``keep_job_id``: a job never removed (the
+    caller's own). Only directories that look like job stores (children all ``node<N>``)
+    are touched. Returns the job directories removed."""
     removed: list[Path] = []
     root = Path(root)
     if not root.is_dir():
@@ -58,6 +66,13 @@ def reclaim_other_jobs(root: Path, keep_job_id: str, idle_s: float = 3600.0) -> 
     return removed
 
 
+def reclaim_other_jobs(root: Path, keep_job_id: str, idle_s: float = 3600.0) -> list[Path]:
+    """Remove stores of jobs other than ``keep_job_id`` under ``root`` that no live process
+    holds and nobody changed for ``idle_s`` seconds (see :func:`reclaim_stale_jobs`).
+    Returns the job directories removed."""
+    return reclaim_stale_jobs(root, idle_s, keep_job_id=keep_job_id)
+
+
 def remove_node(root: Path, job_id: str, node: int) -> None:
     """Remove every rank store of one node of a job (simulates losing the node)."""
     shutil.rmtree(node_path(root, job_id, node), ignore_errors=True)
@@ -69,7 +84,8 @@ def remove_job(root: Path, job_id: str) -> None:
 
 
 def _locked(path: Path) -> bool:
-    """Whether some live process holds the store lock on ``path`` (see ``_map_progress``)."""
+    """Whether some live process holds the store lock on ``path`` (see
+    :meth:`baft.store.versions.VersionLog.open_progress`)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

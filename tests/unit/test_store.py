@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from baft.store import reclaim
 from baft.store.manifest import Manifest, chunk_records
 from baft.store.paths import find_stores
 from baft.store.shm import (
@@ -213,17 +214,45 @@ def test_verify_detects_flipped_bytes_in_data_and_redundancy(tmp_path: Path):
     assert (unverified.verified, unverified.usable) == (False, False)
 
 
-def test_cleanup_stale_and_find_stores(tmp_path: Path):
-    for job in ("old", "keep"):
-        SnapshotStore(tmp_path, job, 0, 0, 1 << 20).allocate(10, 0)
-        SnapshotStore(tmp_path, job, 1, 1, 1 << 20).allocate(10, 0)
+def _age(root: Path, seconds: float) -> None:
+    """Every file and directory under ``root`` last changed ``seconds`` ago."""
+    then = time.time() - seconds
+    for f in root.rglob("*"):
+        os.utime(f, (then, then))
+
+
+def test_reclaim_stale_jobs_and_find_stores(tmp_path: Path):
+    """Stores of jobs that no live process holds and nobody wrote to lately are freed; the
+    caller's own job, a job with one store in use (its lock held), a job written to
+    moments ago and a directory that is no job store stay."""
+    stores = [
+        SnapshotStore(tmp_path, job, node, rank, 1 << 20)
+        for job in ("old", "keep", "live")
+        for node, rank in ((0, 0), (1, 1))
+    ]
+    for store in stores:
+        store.allocate(10, 0)
+    in_use = stores[-1]  # job "live", rank 1: its process runs on
+    for store in stores[:-1]:
+        store.close()  # their processes ended: the locks went with them
     (tmp_path / "not-a-store").mkdir()
     (tmp_path / "not-a-store" / "x.txt").write_text("mine")
     assert [a.rank for a in find_stores(tmp_path / "keep")] == [0, 1]
-    assert len(find_stores(tmp_path)) == 4
-    removed = SnapshotStore.cleanup_stale(tmp_path, "keep")
+    assert len(find_stores(tmp_path)) == 6
+    _age(tmp_path, 7200)
+    removed = reclaim.reclaim_stale_jobs(tmp_path, idle_s=3600, keep_job_id="keep")
     assert removed == [tmp_path / "old"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "not-a-store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "live", "not-a-store"]
+    # without a job to keep, every idle unheld one goes; the store in use stays
+    assert reclaim.reclaim_stale_jobs(tmp_path, idle_s=3600) == [tmp_path / "keep"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "not-a-store"]
+    assert len(find_stores(tmp_path / "live")) == 2
+    in_use.close()  # unheld now, but written to moments ago (a restart between launches)
+    SnapshotStore(tmp_path, "live", 0, 0, 0).begin(1)  # its records change
+    assert reclaim.reclaim_stale_jobs(tmp_path, idle_s=3600) == []
+    _age(tmp_path, 7200)
+    assert reclaim.reclaim_stale_jobs(tmp_path, idle_s=3600) == [tmp_path / "live"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-store"]
     assert find_stores(tmp_path / "nothing") == []
 
 
