@@ -187,6 +187,9 @@ class Protected:
         self.own_mesh = own_mesh
         """The DeviceMesh protect() made (no ``device_mesh`` given): close() ends its groups."""
         self._after_step = after_step
+        self.recovery: Any = None
+        """The restore's recovery report (a :class:`~baft.recover.report.RecoveryReport`
+        with its ``record``), or None when :meth:`restore` started the job fresh."""
         self._phase = _Phase.NEW
         self._faults: list[str] = []
         link = generation.current()
@@ -250,6 +253,7 @@ class Protected:
             if report is not None:
                 report.phase("build_engine", t_built - t_build)
         self._phase = _Phase.RUNNING
+        self.recovery = report
         self._after_step.start(report)
         # The restored state holds the first process's shape-inference side effects.
         self.runner.protected.undo_inference = resume > 0

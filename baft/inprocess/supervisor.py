@@ -101,6 +101,9 @@ class Supervisor:
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.rank,
             self.world_size, timeout_s=options.timeouts.store_s,
         )  # fmt: skip
+        self.agent = os.getppid()
+        """The torchrun agent that started this supervisor: when it is gone (killed
+        with SIGKILL, which leaves its workers behind), so is the job."""
         self.ledger = Ledger(options.max_failures)
         self.ctx = multiprocessing.get_context("forkserver")
         extra = [m for m in os.environ.get("BAFT_INPROCESS_PRELOAD", "").split(",") if m]
@@ -212,6 +215,8 @@ class Supervisor:
                 if code is not None:
                     return code
                 continue
+            if os.getppid() != self.agent:
+                return self._stop("its torchrun agent is gone")
             if self.terminating or self.ended:
                 continue
             refused = self.control.refused()
@@ -369,10 +374,9 @@ class Supervisor:
         self._kill_child()
         if self.child is not None:
             self.child.join(10.0)
-        agent = os.getppid()
-        if "TORCHELASTIC_RUN_ID" in os.environ and agent > 1:
+        if "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() == self.agent > 1:
             self.terminating = True
-            os.kill(agent, signal.SIGTERM)
+            os.kill(self.agent, signal.SIGTERM)
         return REFUSED_EXIT
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:

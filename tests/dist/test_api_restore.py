@@ -206,7 +206,7 @@ def _restore_job(rank: int, world: int, root: str) -> dict[str, Any]:
     ft7 = _protect(s7, diff_root, full_every=2)
     start = ft7.restore()
     out["diff_restored"] = start
-    out["diff_replayed"] = ft7._report.record.get("replay", {})
+    out["diff_replayed"] = ft7.recovery.record.get("replay", {})
     out["diff_equal"] = (
         _digest(s7["module"], s7["opt"], s7["sched"], s7["sampler"]) == versions[start]
     )

@@ -43,7 +43,7 @@ def _run(rank: int, world: int, root: Path, keep: bool, persist_every: int) -> N
 def _relaunch(rank: int, world: int, root: Path, keep: bool, persist_every: int) -> Any:
     s = _setup(rank, world)
     ft = _protect(s, str(root), keep_stores=keep, persist_every=persist_every)
-    out = _error(ft.restore) or (ft.restore.__name__, ft._report.record["source"])
+    out = _error(ft.restore) or (ft.restore.__name__, ft.recovery.record["source"])
     ft.close()
     return out
 

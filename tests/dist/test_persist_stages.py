@@ -56,7 +56,7 @@ def _power_loss_job(rank: int, world: int, root: str, full_every: int) -> dict[s
     s2 = _setup(rank, world)
     ft2 = _protect(s2, root, full_every=full_every, persist_every=2)
     out["restored"] = ft2.restore()
-    out["source"] = ft2._report.record["source"]
+    out["source"] = ft2.recovery.record["source"]
     out["restored_equal"] = (
         _digest(s2["module"], s2["opt"], s2["sched"], s2["sampler"]) == digests[out["restored"]]
     )

@@ -54,7 +54,7 @@ def _run(rank: int, world: int, base: Path, steps: int, **kw: Any) -> tuple[bool
     def after_step(t: Any) -> None:
         seen.append(t.snapshot())
         if len(seen) == 1 and t.checkpointer.enable:  # right after load()
-            report = t.checkpointer.ft._report
+            report = t.checkpointer.ft.recovery
             seen[0]["source"] = report.record["source"] if report is not None else None
 
     loaded = trainer.train(steps, after_step=after_step)

@@ -14,6 +14,7 @@ commands that reproduce it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -141,6 +142,15 @@ def torchrun(
 
 
 # --- processes, found from outside ---
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launched job and every process under it (a SIGKILLed torchrun agent
+    leaves its workers behind), then reap it."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
 
 
 def descendants(pid: int) -> list[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from baft.train.launch import launch_env
-from tests.e2e.jobs import USER_SCRIPT, descendants
+from tests.e2e.jobs import USER_SCRIPT, descendants, kill_tree
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -109,7 +109,7 @@ def test_survivors_keep_their_processes_and_the_trajectory(tmp_path: Path) -> No
             assert agent.wait(timeout=200) == 0
         finally:
             if agent.poll() is None:
-                agent.kill()
+                kill_tree(agent)
         recs = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
         assert [r["inprocess"]["generation"] for r in recs] == [1, 2], recs
         assert all(r["source"] == "memory" and r["lost_iterations"] <= 1 for r in recs), recs

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from baft.train.launch import launch_env
-from tests.e2e.jobs import USER_SCRIPT, iterations_done, training_pids
+from tests.e2e.jobs import USER_SCRIPT, iterations_done, kill_tree, training_pids
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -125,7 +125,7 @@ def test_kill_with_loader_workers_module_socket_and_work_after_close(
         assert agent.wait(timeout=240) == 0, _logs(run)[-4000:]
     finally:
         if agent.poll() is None:
-            agent.kill()
+            kill_tree(agent)
     recs = _recoveries(run)
     assert [r["inprocess"]["generation"] for r in recs] == [1], recs  # one recovery, no more
     assert all(r["source"] == "memory" and r["attempt"] == 0 for r in recs), recs
@@ -154,7 +154,7 @@ def test_preemption_with_loader_workers_flushes_and_resumes(tmp_path: Path, stor
         agent.wait(timeout=120)
     finally:
         if agent.poll() is None:
-            agent.kill()
+            kill_tree(agent)
     persisted = sorted(p.name for p in (run / "checkpoints").glob("v*"))
     assert len(persisted) == 1 and int(persisted[0][1:]) >= at, (persisted, at)
     shutil.rmtree(store, ignore_errors=True)  # the host's memory is gone with it
@@ -211,7 +211,7 @@ def test_a_rank_frozen_in_the_last_iteration_is_recovered_in_process(
         assert agent.wait(timeout=200) == 0, _logs(run)[-4000:]
     finally:
         if agent.poll() is None:
-            agent.kill()
+            kill_tree(agent)
     recs = _recoveries(run)
     assert recs and all(r["attempt"] == 0 and "inprocess" in r for r in recs), recs
     _same_state(run, ref)
