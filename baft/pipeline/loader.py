@@ -26,6 +26,7 @@ import signal
 import threading
 from typing import Any
 
+
 def keep_loader_workers_through_sigterm() -> None:
     """From now on, DataLoader workers this process forks ignore SIGTERM. Idempotent: the
     patched function marks itself (torch's module is the one state, no flag of ours)."""
