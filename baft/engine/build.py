@@ -37,7 +37,7 @@ log = logging.getLogger("baft")
 
 
 class RunnerState:
-    """The engine's :class:`~baft.engine.engine.StateSource` for a step runner: all of
+    """The engine's :class:`~baft.pipeline.live.LiveState` for a step runner: all of
     its :class:`~baft.pipeline.state.TrainingState` (parameters, persistent buffers,
     optimizer state and hyperparameters, RNG, the ``state=`` objects).
 

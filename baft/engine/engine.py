@@ -40,7 +40,7 @@ from baft.engine.closing import end_of_job
 from baft.engine.commit import Commit
 from baft.engine.differential import RecordCapture
 from baft.engine.flat import FlatState
-from baft.engine.parts import EngineParts, StateSource
+from baft.engine.parts import EngineParts
 from baft.engine.persisting import Persisting
 from baft.engine.planning import SPILL
 from baft.engine.rotation import Rotation
@@ -48,11 +48,12 @@ from baft.engine.versions import COMPONENTS, Version
 from baft.engine.writer import VersionWriter
 from baft.pipeline import IterationTimeline
 from baft.pipeline.layout import GlobalLayout
+from baft.pipeline.live import LiveState
 from baft.store.coding import Redundancy, coding_groups
 from baft.store.records import DIFF_KEY, PlanInput
 from baft.topology import Topology
 
-__all__ = ["COMPONENTS", "SPILL", "CheckpointEngine", "EngineParts", "StateSource"]
+__all__ = ["COMPONENTS", "SPILL", "CheckpointEngine", "EngineParts"]
 
 log = logging.getLogger("baft")
 
@@ -68,7 +69,7 @@ class CheckpointEngine:
         topology: Topology,
         rank: int,
         device: torch.device,
-        state: StateSource,
+        state: LiveState,
         parts: EngineParts,
     ) -> None:
         self.ck, self.policy, self.run_dir = ck, ck.policy, Path(run_dir)
@@ -371,7 +372,7 @@ class CheckpointEngine:
         return ended
 
 
-def _param_groups(state: StateSource) -> list[list[str]]:
+def _param_groups(state: LiveState) -> list[list[str]]:
     """Parameter FQNs of every param group of ``state``'s optimizer (torch's order; none
     for a state source without one, as the engine's test doubles)."""
     optimizer = getattr(state, "optimizer", None)

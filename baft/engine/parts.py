@@ -1,9 +1,8 @@
 """What the checkpoint engine is built from: the state it snapshots and its collaborators.
 
-:data:`StateSource` is the seam to the training state: the engine's name for
-:class:`baft.pipeline.live.LiveState`, the one Protocol of the live state, which recovery
-uses too (``RunnerState`` implements it over the step runner; tests use small fakes).
-:class:`EngineParts` are the collaborators that :func:`baft.engine.build.build_engine`
+The seam to the training state is :class:`baft.pipeline.live.LiveState`, the one Protocol
+of the live state, which recovery uses too (``RunnerState`` implements it over the step
+runner; tests use small fakes). :class:`EngineParts` are the collaborators that :func:`baft.engine.build.build_engine`
 makes with I/O and hands in.
 """
 
@@ -17,14 +16,9 @@ from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import Transport
 from baft.engine.worker import ProtectWorker
 from baft.liveness.termination import Termination
-from baft.pipeline.live import LiveState
 from baft.store.disk import Persister, PersistKeys
 from baft.store.peer import PeerStore
 from baft.store.shm import SnapshotStore
-
-StateSource = LiveState
-"""The engine's name for :class:`baft.pipeline.live.LiveState` (``baft.engine.engine``
-imports and re-exports it)."""
 
 
 @dataclass

@@ -34,7 +34,7 @@ WORLD = 2
 
 
 class _Model:
-    """A StateSource over a tiny model and its AdamW (state created up front)."""
+    """A LiveState over a tiny model and its AdamW (state created up front)."""
 
     def __init__(self, seed: int, odd_bytes: int = 0) -> None:
         torch.manual_seed(seed)

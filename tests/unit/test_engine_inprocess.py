@@ -30,7 +30,7 @@ WORLD = 2
 
 
 class _State:
-    """A few tensors per rank (a StateSource); ``capture``/``apply`` count their calls."""
+    """A few tensors per rank (a LiveState); ``capture``/``apply`` count their calls."""
 
     def __init__(self, rank: int) -> None:
         g = torch.Generator().manual_seed(rank)
