@@ -28,7 +28,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-BAFT = str(Path(__file__).resolve().parents[1] / "baft") + os.sep
+import baft  # where baft is imported from (PYTHONPATH may name another checkout)
+
+BAFT = str(Path(baft.__file__).resolve().parent) + os.sep
 
 
 def _module(frame: FrameType | None) -> str | None:
