@@ -131,6 +131,7 @@ def abandon_generation(ch: Channel) -> None:
             member.abandon()
         except Exception as e:  # noqa: BLE001 - keep going: the next generation needs the rest
             log.warning("baft: abandoning the old generation: %s", e)
+        generation.leave(member)
     ch.abort_again()
     if dist.is_initialized():
         try:

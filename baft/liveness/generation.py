@@ -21,7 +21,6 @@ the members); nothing else outside :mod:`baft.inprocess` keeps any.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,7 +93,10 @@ class Member(Protocol):
 
 
 _link: Link | None = None
-_members: weakref.WeakSet[Member] = weakref.WeakSet()
+_members: list[Member] = []
+"""Strong references: a generation's members must outlive the training function's frames
+(when it raised, nothing else may hold them any more, and an unreachable member's threads,
+its watchdog's beat, would run on into the next generation)."""
 
 
 def install(link: Link | None) -> None:
@@ -114,12 +116,15 @@ def number() -> int:
 
 
 def join(member: Member) -> None:
-    """``member`` belongs to the current generation: it is abandoned when that ends."""
-    _members.add(member)
+    """``member`` belongs to the current generation: it is abandoned when that ends.
+    Without a supervisor nothing is kept (no generation ends)."""
+    if _link is not None and not any(m is member for m in _members):
+        _members.append(member)
 
 
 def leave(member: Member) -> None:
-    _members.discard(member)
+    """``member`` ended on its own (closed) or was abandoned."""
+    _members[:] = [m for m in _members if m is not member]
 
 
 def members() -> list[Member]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import socket
@@ -18,6 +19,7 @@ from baft.inprocess import messages as msg
 from baft.inprocess.channel import Channel
 from baft.inprocess.control import Control
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
+from baft.inprocess.run import abandon_generation
 from baft.inprocess.sockets import shutdown_tcp, tcp_inodes
 from baft.liveness import generation as link
 from baft.liveness.generation import Generation, recovery_phases
@@ -246,3 +248,28 @@ def test_inprocess_timeouts_come_from_the_environment() -> None:
         InprocessTimeouts.from_env({"BAFT_INPROCESS_STUCK_S": "soon"})
     with pytest.raises(ValueError, match="must be > 0"):
         InprocessTimeouts.from_env({"BAFT_INPROCESS_ABORT_WAIT_S": "0"})
+
+
+class _Member:
+    abandoned: list[int] = []
+
+    def abandon(self) -> None:
+        _Member.abandoned.append(id(self))
+
+
+def test_a_member_nothing_else_holds_is_still_abandoned(piped: tuple[Any, Channel]) -> None:
+    """When the training function raised, its frames (the only holders of ``ft``) are
+    gone before the abort: the generation must still reach its member, or the member's
+    watchdog beats on into the next generation and names a healthy replacement frozen."""
+    parent, ch = piped
+    _Member.abandoned.clear()
+    link.join(_Member())  # no other reference
+    gc.collect()
+    assert len(link.members()) == 1
+    abandon_generation(ch)
+    assert len(_Member.abandoned) == 1 and link.members() == []
+
+
+def test_without_a_supervisor_nothing_joins_a_generation() -> None:
+    link.join(_Member())
+    assert link.members() == []
