@@ -35,8 +35,8 @@ from baft.config import InprocessTimeouts
 from baft.inprocess import messages as msg
 from baft.inprocess.sockets import shutdown_tcp, tcp_inodes
 from baft.liveness.generation import GENERATION_ENV, Generation
+from baft.liveness.loader import keep_loader_workers_through_sigterm
 from baft.liveness.termination import die_of_sigterm
-from baft.pipeline.loader import keep_loader_workers_through_sigterm
 
 log = logging.getLogger("baft")
 

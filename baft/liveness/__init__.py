@@ -11,6 +11,8 @@ None of these modules keeps checkpoint state; they act on the process.
 - :mod:`.generation` is the one seam to in-process recovery (:mod:`baft.inprocess`): the
   generation this process runs in, and its line to its supervisor.
 
-They import from baft only the DataLoader seam of ``pipeline``, so every layer above
-(engine, recover, api) may use them.
+- :mod:`.loader` keeps forked DataLoader workers alive through a preemption's SIGTERM.
+
+They import nothing from baft above them (and not torch at import), so every layer above
+(engine, recover, api, inprocess) may use them.
 """

@@ -32,7 +32,7 @@ torchrun stops its workers with ``killpg``: the SIGTERM also reaches every proce
 training process forked, its DataLoader workers first. A worker dying of it makes torch
 raise in the training thread (``DataLoader worker ... exited unexpectedly``) before the
 flush's vote. While the handler is installed, DataLoader workers forked from then on
-ignore SIGTERM (:mod:`baft.pipeline.loader`), and a forked process that inherits the
+ignore SIGTERM (:mod:`baft.liveness.loader`), and a forked process that inherits the
 handler itself ignores it there (it was installed by another pid): the workers live on
 until their parent flushed and shut them down, as on any clean end.
 
@@ -58,7 +58,7 @@ from types import FrameType
 from typing import Any
 
 from baft.liveness import generation
-from baft.pipeline.loader import keep_loader_workers_through_sigterm
+from baft.liveness.loader import keep_loader_workers_through_sigterm
 
 log = logging.getLogger("baft")
 

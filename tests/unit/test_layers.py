@@ -44,8 +44,9 @@ above the library it exposes. ``inprocess`` (in-process recovery: the supervisor
 the training process, and ``baft.run`` inside it) wraps the library the script uses; the
 library reads it only through ``liveness.generation``.
 ``integrations`` (optional framework adapters, e.g. torchtitan's checkpoint manager) sit
-on the library as a user does. ``liveness`` (watchdog, SIGTERM) imports from baft only the DataLoader seam of
-``pipeline``; it sits right under its lowest user, the engine (api and recover use it too).
+on the library as a user does. ``liveness`` (watchdog, SIGTERM, DataLoader workers through
+a SIGTERM) imports nothing of baft above it; it sits right under its lowest user, the
+engine (api, recover and inprocess use it too).
 ``errors`` (the refusal marker) is imported from every layer and imports nothing."""
 
 FACE_MAY_IMPORT = frozenset({"api", "config", "inprocess"})

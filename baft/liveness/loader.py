@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -30,6 +31,8 @@ from typing import Any
 def keep_loader_workers_through_sigterm() -> None:
     """From now on, DataLoader workers this process forks ignore SIGTERM. Idempotent: the
     patched function marks itself (torch's module is the one state, no flag of ours)."""
+    if "torch" not in sys.modules:  # no torch, no DataLoader workers (baft's callers run
+        return  # with torch imported; a process without it need not pay its import here)
     try:
         from torch.utils.data._utils import signal_handling
     except ImportError:  # another torch: its workers die of the SIGTERM as without baft
