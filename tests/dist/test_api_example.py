@@ -52,6 +52,7 @@ def _batches(out: Path, rank: int) -> dict[int, list[int]]:
     return {(d := json.loads(line))["iteration"]: d["batch"] for line in lines}
 
 
+@pytest.mark.slow  # default tier: e2e test_inprocess_user and the smoke user-script cells
 def test_example_recovers_bit_exactly(tmp_path: Path) -> None:
     plain = _run(tmp_path / "plain", "--unprotected")
     try:

@@ -137,6 +137,7 @@ def test_plain_dcp_load_into_the_unsharded_model(job: dict[str, Any], tmp_path: 
     assert "optimizer.state.head.weight.exp_avg" in other["differ"]
 
 
+@pytest.mark.slow  # default tier: the unsharded plain load
 def test_plain_dcp_load_into_dp_shard_1(job: dict[str, Any], tmp_path: Path) -> None:
     rc, got = _load(job, "sharded", _dump(job, job["version"]), tmp_path)
     assert rc == 0 and [r["rank"] for r in got] == [0, 1]
@@ -146,6 +147,7 @@ def test_plain_dcp_load_into_dp_shard_1(job: dict[str, Any], tmp_path: Path) -> 
     assert sum(len(r["compared"]) for r in got) == 420
 
 
+@pytest.mark.slow  # default tier: unit test_reshard_rules
 def test_relaunch_with_another_dp_shard_degree_restores_from_dcp(job: dict[str, Any]) -> None:
     out = job["base"] / "relaunch"
     shutil.copytree(job["out"], out)  # the other tests keep the original checkpoint

@@ -141,6 +141,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # default tier: unit test_restore_inprocess (renumbered ranks, replacement hosts)
 def test_restore_follows_the_shards_to_whatever_host_holds_them(gloo, tmp_path: Path) -> None:
     base = Path("/dev/shm") / f"baft-hosts-{tmp_path.name}"
     try:

@@ -110,6 +110,7 @@ def _titan_job(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # default tier: test_crashed_torchtitan_trainer_resumes_from_memory
 def test_torchtitan_trainer_restores_bit_exactly(gloo, tmp_path: Path) -> None:
     got = gloo.run(_titan_job, 2, args=(str(tmp_path),), timeout_s=280)
     for rank, out in enumerate(got):

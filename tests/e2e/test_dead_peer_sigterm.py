@@ -48,6 +48,7 @@ def _rank_pids(root: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow  # default tier: unit test_termination (a peer that cannot vote)
 def test_survivors_of_a_killed_rank_leave_without_the_grace(tmp_path: Path) -> None:
     out, store = tmp_path / "run", Path("/dev/shm") / f"baft-deadpeer-{tmp_path.name}"
     cmd = [

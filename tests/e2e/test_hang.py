@@ -193,6 +193,7 @@ def _check_freeze(got: dict, reference: dict, rank: int) -> dict:
     return rec
 
 
+@pytest.mark.slow  # default tier: e2e test_inprocess (SIGSTOP, the default launch), unit test_watchdog
 def test_sigstop_worker_mid_run_recovers_bit_exactly(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:

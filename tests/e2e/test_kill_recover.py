@@ -96,6 +96,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return ref
 
 
+@pytest.mark.slow  # default tier: the matrix smoke cells (kill -9 in-process and group, node loss)
 def test_kill_and_node_loss_recover_bit_exactly(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
@@ -126,6 +127,7 @@ def test_kill_and_node_loss_recover_bit_exactly(
     assert committed[-1] == 10
 
 
+@pytest.mark.slow  # default tier: smoke cells with full_every 3 and auto (differential kill from outside)
 def test_differential_kill_and_node_loss_recover_bit_exactly(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
@@ -149,6 +151,7 @@ def test_differential_kill_and_node_loss_recover_bit_exactly(
     assert "differential" in node["reason"]
 
 
+@pytest.mark.slow  # default tier: unit test_restore_inprocess start-over rules
 def test_a_crash_before_anything_is_rebuildable_starts_over_on_the_same_trajectory(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
@@ -170,6 +173,7 @@ def test_a_crash_before_anything_is_rebuildable_starts_over_on_the_same_trajecto
     assert "differential" in crash["reason"]
 
 
+@pytest.mark.slow  # default tier: e2e test_launcher_sigterm (flush) and the smoke power cell (resume from DCP)
 def test_sigterm_flushes_to_dcp_and_the_next_launch_resumes(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
@@ -210,6 +214,7 @@ def test_sigterm_flushes_to_dcp_and_the_next_launch_resumes(
     assert rec["lost_iterations"] == 0
 
 
+@pytest.mark.slow  # default tier: unit test_restore_inprocess (damaged stores rebuilt from parity)
 def test_corrupted_shard_then_kill_rebuilds_it_from_parity(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
@@ -231,6 +236,7 @@ def test_corrupted_shard_then_kill_rebuilds_it_from_parity(
     assert "rank 0 (shard failed its checksum)" in r["reason"], r["reason"]
 
 
+@pytest.mark.slow  # default tier: smoke cells with rs, unit test_restore_inprocess (rs decodes)
 def test_rs_code_rebuilds_two_lost_nodes_at_once(
     tmp_path: Path, store: Path, reference: dict[str, Any]
 ) -> None:
@@ -415,6 +421,7 @@ def tp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_job(_config(tmp_path_factory.mktemp("tp-ref"), None, [], num_dp=1, num_tp=2))
 
 
+@pytest.mark.slow  # default tier: dist test_runtime pp2xtp2, unit shard identity and restore
 def test_differential_restore_with_tensor_parallel_shards(
     tmp_path: Path, store: Path, tp_reference: dict[str, Any]
 ) -> None:
@@ -436,6 +443,7 @@ def test_differential_restore_with_tensor_parallel_shards(
     assert crash["replay"]["replayed_steps"] == 2, crash
 
 
+@pytest.mark.slow  # default tier: the smoke power cell, dist test_persister
 def test_power_loss_restores_tensor_parallel_shards_from_dcp(
     tmp_path: Path, store: Path, tp_reference: dict[str, Any]
 ) -> None:

@@ -62,9 +62,8 @@ def _checkpointed(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m["bytes"] for m in metrics if m["bytes"]["snapshot"]]
 
 
-@pytest.mark.parametrize(
-    "emulated", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["real", "emulated"]
-)
+@pytest.mark.slow  # default tier: every smoke cell exchanges through same-host memory; unit test_exchange_paths
+@pytest.mark.parametrize("emulated", [False, True], ids=["real", "emulated"])
 def test_kill_mid_same_host_exchange_and_node_loss_recover_bit_exactly(
     tmp_path: Path, store: Path, emulated: bool
 ) -> None:

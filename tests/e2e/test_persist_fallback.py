@@ -65,6 +65,7 @@ def _plain_dcp_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.slow  # default tier: the smoke power cell, dist test_persister and test_persist_stages
 def test_dcp_is_plain_loadable_and_power_loss_falls_back_to_it(tmp_path: Path) -> None:
     store = Path("/dev/shm") / f"baft-test-{tmp_path.name}"
     try:
