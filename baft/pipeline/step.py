@@ -340,9 +340,12 @@ class StepRunner:
         )
 
     def capture_at_start(self) -> None:
-        """The version's LR schedulers and hyperparameters, at its first ``schedule.step``."""
+        """The version's LR schedulers and hyperparameters, at its first ``schedule.step``;
+        and its buffers again: between the step and here a loop with DP replicas syncs
+        them from the first replica (as DDP does), and only a forward moves them (the
+        copy after the step stays for a version no iteration follows)."""
         self.state.capture(
-            buffers=False, rng=False, optimizer=True, state=self.state.lr_scheduler_keys()
+            buffers=True, rng=False, optimizer=True, state=self.state.lr_scheduler_keys()
         )
 
     # ---------------------------------------------------------------- the step

@@ -9,6 +9,7 @@ import math
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -750,3 +751,22 @@ def test_digests_cover_buffers_and_small_state() -> None:
     a.ts.capture()
     changed = {n for n in da if a.ts.digests()[n] != da[n]}
     assert changed == {"buffer.bn.running_mean", "extra.meta.Adam", "extra.state.lr_scheduler"}
+
+
+def test_a_version_takes_its_buffers_at_its_start_after_the_loops_replica_sync() -> None:
+    """With DP replicas a loop syncs BatchNorm's statistics from the first replica after
+    ``optimizer.step()`` (as DDP does). The copy taken right after the step holds this
+    replica's own statistics; the version's start (its first ``schedule.step``) must take
+    them again, or a replica owning the buffers' bytes in a memory checkpoint restores
+    its own statistics and the run leaves the trajectory."""
+    from baft.pipeline.step import StepRunner
+
+    r = Run("adam")
+    assert r.ts is not None
+    runner = SimpleNamespace(state=r.ts)
+    r.model(DATA_X[:6])  # this replica's statistics
+    StepRunner.capture_after_step(runner)  # type: ignore[arg-type]
+    synced = torch.full_like(r.model.bn.running_mean, 0.25)  # the first replica's
+    r.model.bn.running_mean.copy_(synced)  # the loop's broadcast
+    StepRunner.capture_at_start(runner)  # type: ignore[arg-type]
+    assert torch.equal(dict(r.ts.tensors())["buffer.bn.running_mean"], synced)
