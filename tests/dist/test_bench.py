@@ -32,6 +32,7 @@ def _run(tmp_path: Path, *flags: str) -> int:
     return run_bench(args)
 
 
+@pytest.mark.slow  # default tier: unit test_bench_overhead, test_bench_stats (the harness)
 @pytest.mark.timeout(180)
 def test_overhead_none_vs_torch_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = _run(

@@ -30,7 +30,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from baft.store.disk import latest_version, read_metadata, version_dir
 
-pytestmark = pytest.mark.timeout(600)
+# slow: default tier: unit test_persist_keys (every write path keyed by stage, each stage
+# loaded with plain dcp.load) and the FSDP2 x PP smoke cell of the matrix
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "fsdp2_pipeline.py"
 LOADER = REPO / "tests" / "dist" / "fsdp2_dcp_load.py"
@@ -137,7 +139,6 @@ def test_plain_dcp_load_into_the_unsharded_model(job: dict[str, Any], tmp_path: 
     assert "optimizer.state.head.weight.exp_avg" in other["differ"]
 
 
-@pytest.mark.slow  # default tier: the unsharded plain load
 def test_plain_dcp_load_into_dp_shard_1(job: dict[str, Any], tmp_path: Path) -> None:
     rc, got = _load(job, "sharded", _dump(job, job["version"]), tmp_path)
     assert rc == 0 and [r["rank"] for r in got] == [0, 1]
@@ -147,7 +148,6 @@ def test_plain_dcp_load_into_dp_shard_1(job: dict[str, Any], tmp_path: Path) -> 
     assert sum(len(r["compared"]) for r in got) == 420
 
 
-@pytest.mark.slow  # default tier: unit test_reshard_rules
 def test_relaunch_with_another_dp_shard_degree_restores_from_dcp(job: dict[str, Any]) -> None:
     out = job["base"] / "relaunch"
     shutil.copytree(job["out"], out)  # the other tests keep the original checkpoint

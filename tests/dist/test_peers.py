@@ -16,7 +16,10 @@ import pytest
 
 from baft_bench.peers import INSTALL_HINT, PEER_MODES, SHM_DIR, SOCKET_DIR, missing_peers
 
+# slow: the peers (lm-resiliency, DLRover) are the bench's, not baft's; default tier:
+# unit test_bench_peers (the adapters' contract)
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(150),
     pytest.mark.skipif(
         bool(missing_peers(PEER_MODES)),
