@@ -9,7 +9,7 @@ supervisor instead, which never exits on a recoverable failure:
    torchrun's ``MASTER_PORT``, and one c10d store per generation for the training
    processes) and a forkserver that imports torch and baft once.
 2. It forks the training process (:mod:`.child`) and watches three things at once: the
-   child's exit, the child's messages (:mod:`baft.liveness.channel`), and the control
+   child's exit, the child's messages (:mod:`baft.inprocess.messages`), and the control
    store (polled every ``poll_s``).
 3. **A failure** (its child died, or raised and reported it, or a watchdog named a
    frozen rank) moves the job to the next generation. Every supervisor then tells its
