@@ -53,7 +53,7 @@ PHASES = {
     "reclaim_stores": "reclaim",
     "_fill_report": "report",
 }
-"""recover/runtime.py's functions that open a phase of the restore (DESIGN: agree, check,
+"""The functions recover/runtime.py calls to open a phase of the restore (DESIGN: agree, check,
 rebuild and load, reclaim, report); the engine's start is left out of the walk."""
 
 
@@ -88,7 +88,7 @@ def traced(fn: Any) -> Any:
             if paused[0] or threading.get_ident() != me or event not in ("call", "return"):
                 return
             if event == "call" and frame.f_code.co_name in PHASES:
-                if _module(frame) == "recover/runtime":
+                if _module(frame.f_back) == "recover/runtime":  # called by the runtime
                     phase[0] = PHASES[frame.f_code.co_name]
             room = _module(frame if event == "call" else frame.f_back)
             if room is not None:

@@ -33,7 +33,7 @@ from baft.recover.differential import RestoreError
 from baft.store import reclaim as reclaim_jobs
 from baft.store.coding import Redundancy
 from baft.store.manifest import RankInventory, mismatches
-from baft.store.paths import find_stores, job_path
+from baft.store.paths import job_stores
 from baft.store.shm import SnapshotStore, StoreReadError
 from baft.topology import Topology
 
@@ -61,8 +61,7 @@ class HostStores:
         """Every store directory of the job on this host (the own one if it exists)."""
         if not self.scan:
             return [self._ref(self.own.node, self.own.rank)] if self.own.path.exists() else []
-        job = job_path(self.own.root, self.own.job_id)
-        return [self._ref(a.node, a.rank) for a in find_stores(job) if a.job_id == self.own.job_id]
+        return [self._ref(a.node, a.rank) for a in job_stores(self.own.root, self.own.job_id)]
 
     def _ref(self, node: int, rank: int) -> StoreRef:
         return StoreRef(self.host, node, rank)
@@ -175,21 +174,21 @@ def verify_reads(stores: HostStores, rank: int, plan: RecoveryPlan) -> list[str]
     Bytes already found clean in this restore (``stores.verified``) are not hashed again."""
     data_slots, region_ids = _reads(rank, plan)
     problems: list[str] = []
+    if plan.version is None:  # nothing to read (only a plan from memory is verified)
+        return problems
     for ref, slot in sorted(data_slots | set(region_ids), key=lambda k: (str(k[0]), k[1])):
         store = stores.get(ref)
         where = f"rank {rank} store {ref or store.path.name} slot {slot}"
-        m = store.read_manifest(slot)
-        if m is None or m.version != plan.version:
-            problems.append(f"{where}: v{plan.version} is not there")
-            continue
-        key = (str(store.path), slot, m.version)
+        key = (str(store.path), slot, plan.version)
         shard = (ref, slot) in data_slots and (*key, None) not in stores.verified
         wanted = {i for i in region_ids.get((ref, slot), set()) if (*key, i) not in stores.verified}
         try:
-            data = store.read(slot, "data", 0, m.data_nbytes) if shard else None
-            red = store.read(slot, "red", 0, m.red_nbytes) if wanted else None
+            m, data, red = store.read_version(slot, plan.version, data=shard, red=bool(wanted))
         except StoreReadError as err:
-            problems.append(f"{where} v{m.version}: {err}")
+            problems.append(f"{where} v{plan.version}: {err}")
+            continue
+        if m is None or m.version != plan.version:
+            problems.append(f"{where}: v{plan.version} is not there")
             continue
         found = mismatches(m, data, red, wanted)
         problems += [

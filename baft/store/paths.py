@@ -72,6 +72,11 @@ class StoreAddress:
     """Rank number."""
 
 
+def job_stores(root: Path, job_id: str) -> list[StoreAddress]:
+    """Every rank store of job ``job_id`` under the store root ``root`` (one scan)."""
+    return [a for a in find_stores(job_path(root, job_id)) if a.job_id == job_id]
+
+
 def find_stores(path: Path) -> list[StoreAddress]:
     """Stores under ``path``: a store root (job dirs) or one job dir (node dirs)."""
     path = Path(path)

@@ -213,6 +213,19 @@ class SnapshotStore:
         """The slot's complete manifest, or None (empty, writing or unreadable)."""
         return self._log.read_manifest(slot)
 
+    def read_version(
+        self, slot: int, version: int | None, *, data: bool, red: bool
+    ) -> tuple[Manifest | None, np.ndarray | None, np.ndarray | None]:
+        """A restore's one read of a slot: its manifest and, when it holds ``version``,
+        the whole ``data`` and/or ``red`` bytes asked for (zero copy; None otherwise).
+        ``StoreReadError`` if a file is absent or shorter than its manifest says."""
+        m = self._log.read_manifest(slot)
+        if m is None or m.version != version:
+            return m, None, None
+        d = self._reader.read(slot, "data", 0, m.data_nbytes) if data else None
+        r = self._reader.read(slot, "red", 0, m.red_nbytes) if red else None
+        return m, d, r
+
     # --------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Drop this process's mappings, read cache included (files and contents stay)."""

@@ -181,6 +181,20 @@ def test_a_new_layout_keeps_the_committed_version(tmp_path: Path, new_nbytes: in
     assert store.allocate(5000, 0, keep_version=9) is None  # nothing to keep: as before
 
 
+def test_read_version_is_one_read_of_a_slot(tmp_path: Path):
+    """A restore's read of a slot: the manifest, and the bytes only when it holds the
+    version asked for (and only the kinds asked for)."""
+    store = SnapshotStore(tmp_path, "job", 0, 0, 1 << 20)
+    store.allocate(3000, 0)
+    slot = _write(store, 5, fill=7)
+    m, data, red = store.read_version(slot, 5, data=True, red=False)
+    assert m is not None and m.version == 5 and red is None
+    assert data is not None and data.size == m.data_nbytes and set(data.tolist()) == {7}
+    m, data, red = store.read_version(slot, 4, data=True, red=True)  # another version
+    assert m is not None and m.version == 5 and data is None and red is None
+    store.close()
+
+
 def test_verify_detects_flipped_bytes_in_data_and_redundancy(tmp_path: Path):
     from baft.store.coding import GroupLayout, Redundancy
     from baft.store.manifest import region_records
