@@ -17,7 +17,8 @@ Keys (under ``baft-inprocess/``):
 - ``giveup``: why in-process recovery gave up: every supervisor stops its child and
   exits non-zero, and torchrun restarts the group.
 - ``refused``: why a training function refused (:class:`baft.errors.Refusal`): every
-  attempt would refuse again, so every supervisor ends the job without a restart.
+  attempt would refuse again, so every supervisor ends the job without a restart (a
+  refusal sets ``giveup`` too: supervisors poll that one key).
 """
 
 from __future__ import annotations
@@ -124,9 +125,13 @@ class Control:
         return bool(self.store.check(["ended"]))
 
     def refuse(self, reason: str) -> None:
+        """The job ends without a restart; ``giveup`` is set too, so that the one key a
+        supervisor polls tells it to stop, and ``refused`` says how."""
         self.store.compare_set("refused", "", reason)
+        self.store.compare_set("giveup", "", f"refused: {reason}")
 
     def refused(self) -> str | None:
+        """Why the job ends without a restart, or None; read once ``given_up()`` is set."""
         return self.store.get("refused").decode() if self.store.check(["refused"]) else None
 
     def give_up(self, reason: str) -> None:

@@ -219,12 +219,9 @@ class Supervisor:
                 return self._stop("its torchrun agent is gone")
             if self.terminating or self.ended:
                 continue
-            refused = self.control.refused()
-            if refused is not None:
-                return self._end_job(refused)
-            reason = self.control.given_up()
+            reason = self.control.given_up()  # one store read per poll
             if reason is not None:
-                return self._stop(f"another rank gave up: {reason}")
+                return self._end(reason, "another rank gave up: ")
             self._follow(self.control.generation())
             self._check_unresponsive()
             silent = self._watch_peers()
@@ -303,7 +300,7 @@ class Supervisor:
             self._failure(self.entered_gen, f"rank {self.rank}'s process {self.child.pid} {what}")
         reason = self.control.given_up()
         if reason is not None:
-            return self._stop(reason)
+            return self._end(reason)
         self._spawn(self.control.generation())
         return None
 
@@ -353,6 +350,12 @@ class Supervisor:
                 self._peer_seen[r] = (raw, now)
         last = {r: at for r, (_, at) in self._peer_seen.items()}
         return silent_peers(now, last, self.options.timeouts.peer_silence_s)
+
+    def _end(self, reason: str, prefix: str = "") -> int:
+        """``giveup`` is set: end the job if it was a refusal, else stop for the group
+        restart."""
+        refused = self.control.refused()
+        return self._end_job(refused) if refused is not None else self._stop(prefix + reason)
 
     def _stop(self, reason: str) -> int:
         log.error(

@@ -86,6 +86,10 @@ def test_control_starts_one_generation_per_failure() -> None:
     assert not c.job_ended()
     c.ended()
     assert c.job_ended()
+    alone = Control("127.0.0.1", 0, rank=0, world_size=1, timeout_s=5.0)
+    alone.refuse("rank 2: ValueError: x")  # the one key the supervisors poll says stop
+    assert alone.given_up() == "refused: rank 2: ValueError: x"
+    assert alone.refused() == "rank 2: ValueError: x"
 
 
 def test_control_reads_every_peer_heartbeat_in_one_call() -> None:
