@@ -26,6 +26,7 @@ from baft_bench.stats import (
     ratio_of_medians,
     round_order,
 )
+from baft_bench.threads import FIELDS as THREAD_FIELDS
 
 COMPONENTS = ("copy", "hash", "send", "pull", "recv_wait", "encode", "deadline_wait")
 """Protect components the engine times per version (``CheckpointEngine`` COMPONENTS)."""
@@ -41,12 +42,21 @@ FIELDS = (
     *(f"{c}_s" for c in COMPONENTS),
     *PATH_BYTES,
     "faults",
+    *THREAD_FIELDS,
 )
 """Per-iteration, per-rank values recorded for every mode: ``cpu_s`` is the process's CPU
 seconds in the iteration (every thread), ``blocked_s`` the training thread's seconds in
 pipeline waits (the idle time the pipeline offers), then protect seconds by component,
-redundancy bytes per path and ``faults``, the process's minor page faults."""
-PER_RANK = ("cpu_s", "blocked_s", *(f"{c}_s" for c in COMPONENTS), *PATH_BYTES, "faults")
+redundancy bytes per path and ``faults``, the process's minor page faults, then the
+CPU and run-queue seconds per thread group (:mod:`baft_bench.threads`)."""
+PER_RANK = (
+    "cpu_s",
+    "blocked_s",
+    *(f"{c}_s" for c in COMPONENTS),
+    *PATH_BYTES,
+    "faults",
+    *THREAD_FIELDS,
+)
 """Fields reported per rank (median over iterations)."""
 
 

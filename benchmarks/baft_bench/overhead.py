@@ -37,6 +37,7 @@ from baft_bench.modes import (
     mode_transport,
     resolve_modes,
 )
+from baft_bench.threads import ThreadClock
 
 RAW_FILE = "overhead-raw.json"
 """Name of the per-iteration raw results rank 0 writes under the run directory."""
@@ -507,13 +508,16 @@ def _switch(trainer: Any, hooks: Any, on: bool) -> None:
 def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[float]]:
     """Run ``num`` iterations from ``first``; rows of this rank's FIELDS values."""
     rows = []
+    clock = ThreadClock()
     if isinstance(hooks, BareMode):  # the bare schedule runs on its own trainer
         trainer = hooks.trainer
     for it in range(first, first + num):
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        clock.start()
         start, cpu0 = time.perf_counter(), time.process_time()
         res = trainer.run_step(it)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+        threads = clock.stop()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         m = getattr(hooks, "last_metrics", None) or {}
         nbytes = m.get("bytes", 0.0)
@@ -535,6 +539,7 @@ def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[floa
                 pull,
                 net,
                 float(faults),
+                *threads,
             ]
         )
     return rows
