@@ -132,10 +132,12 @@ class SnapshotStore:
         stat = os.statvfs(self.path)
         free = stat.f_bavail * stat.f_frsize
         if needed - MANIFEST_RESERVE_BYTES - reusable > free:
+            root_arg = "" if self.root == DEFAULT_ROOT else f" --root {self.root}"
             raise MemoryBudgetError(
                 f"rank {self.rank} store needs {needed - reusable:,} B more but only {free:,} B "
-                f"are free under {self.root}; free memory there (old jobs: "
-                "baft.store.reclaim.reclaim_stale_jobs) or lower the snapshot size"
+                f"are free under {self.root}; free memory there (`baft inspect{root_arg}` lists "
+                f"the job stores, `baft inspect --free [--idle-s S]{root_arg}` frees those no "
+                "live job holds) or lower the snapshot size"
             )
         self.close()  # also drops read mappings: files may be truncated below
         self._files.map_slots(sizes, num_slots, kept)

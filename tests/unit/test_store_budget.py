@@ -45,6 +45,8 @@ def test_full_filesystem_under_the_store_root_fails_before_mapping(
         store.allocate(MiB, 0)
     assert str(err.value) == (
         f"rank 1 store needs {needed:,} B more but only 4,096 B are free under {tmp_path}; "
-        "free memory there (old jobs: baft.store.reclaim.reclaim_stale_jobs) or lower the snapshot size"
+        f"free memory there (`baft inspect --root {tmp_path}` lists the job stores, "
+        f"`baft inspect --free [--idle-s S] --root {tmp_path}` frees those no live job holds) "
+        "or lower the snapshot size"
     )
     assert not any(store.path.glob("slot*.data"))  # no file was sized or mapped

@@ -47,7 +47,7 @@ def store_root():
 
 
 def test_inspect_text(store_root: Path, capsys):
-    assert _run([str(store_root)]) == 0
+    assert _run([str(store_root), "--job", "job"]) == 0
     out = capsys.readouterr().out
     assert "topology pp=1 dp=4 tp=1, 1 ranks/node, redundancy rs:2+2; committed v=2" in out
     assert "rank 1: store missing" in out
