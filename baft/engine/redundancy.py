@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,6 +37,14 @@ from baft.store.coding import GroupLayout, Region
 from baft.store.hashing import copy_hashing
 from baft.store.manifest import checksum
 from baft.store.peer import PeerStore
+
+
+class Background(Protocol):
+    """Where hashing of received pieces runs: the protect worker (its gate, its priority)."""
+
+    def submit(self, item: Callable[[], None]) -> None: ...
+
+    def drain(self) -> None: ...
 
 
 class PeerStoreGone(RuntimeError):
@@ -67,8 +77,11 @@ class RedundancyExchange:
         *,
         peers: Mapping[int, PeerStore] | None = None,
         timeout_s: float = 60.0,
+        background: Background | None = None,
     ) -> None:
         self.layout = layout
+        self.background = background
+        """Hashes pieces received over the network as they arrive (else: at ``finish``)."""
         self.rank = rank
         self.transport = transport
         self.timeout_s = timeout_s
@@ -126,6 +139,8 @@ class RedundancyExchange:
                     seg.nbytes, dtype=torch.uint8
                 )
         self._handles: list[Handle] = []
+        self._arrivals: threading.Thread | None = None
+        self._arrival_error: BaseException | None = None
         self._next_send = 0
         self._next_pull: dict[int, int] = {}
         self._hashers: dict[int, xxhash.xxh3_64] = {}
@@ -163,6 +178,34 @@ class RedundancyExchange:
         for p in self.recvs:
             self._handles.append(self.transport.irecv(self._recv_target(p), p.src, p.tag))
             self.bytes_received += p.nbytes
+        self._arrivals, self._arrival_error = None, None
+        if self.background is not None and self._handles:
+            self._arrivals = threading.Thread(
+                target=self._await_arrivals,
+                args=(list(zip(self.recvs, self._handles, strict=True)), self.background),
+                name="baft-recv",
+                daemon=True,
+            )
+            self._arrivals.start()
+
+    def _await_arrivals(self, pending: list[tuple[_Piece, Handle]], bg: Background) -> None:
+        """Wait for each received piece in order and queue its hashing on the protect
+        worker: the region checksum is then ready at ``finish`` instead of being a pass
+        over the received bytes at the optimizer step (gloo writes received bytes on its
+        own threads; nobody else touches them). This thread only waits."""
+        try:
+            for p, h in pending:
+                h.wait()
+                if len(self.regions[p.region_id].sources) == 1:
+                    bg.submit(functools.partial(self._hash_received, p))
+        except BaseException as e:  # noqa: BLE001 - re-raised by finish()
+            self._arrival_error = e
+
+    def _hash_received(self, p: _Piece) -> None:
+        assert self._red is not None
+        lo = self.regions[p.region_id].offset + p.input_offset
+        hasher = self._hashers.setdefault(p.region_id, xxhash.xxh3_64())
+        hasher.update(self._red.numpy()[lo : lo + p.nbytes].data)
 
     def _recv_target(self, p: _Piece) -> torch.Tensor:
         region = self.regions[p.region_id]
@@ -270,6 +313,22 @@ class RedundancyExchange:
         self.seconds["recv_wait"] += time.perf_counter() - start
 
     # ------------------------------------------------------------ finish
+    def _wait_arrivals(self) -> None:
+        """Every network receive of the version has landed (and, with a background, its
+        hashing has run)."""
+        if self._arrivals is None:
+            for h in self._handles:
+                h.wait()
+            return
+        # each receive's wait is bounded by the transport's timeout; this only guards that
+        self._arrivals.join(self.timeout_s * (len(self._handles) + 1))
+        if self._arrivals.is_alive():
+            raise TimeoutError(f"rank {self.rank}: receives of v{self._version} never ended")
+        if self._arrival_error is not None:
+            raise self._arrival_error
+        assert self.background is not None
+        self.background.drain()
+
     def _input(self, region: Region, index: int, progress: dict) -> np.ndarray:
         staged = self._staging.get((region.region_id, index))
         if staged is not None:
@@ -286,8 +345,7 @@ class RedundancyExchange:
         for p in self.take_sends(self._data.numel()):  # normally none: the worker sent them
             self.send_now(p)
         start = time.perf_counter()
-        for h in self._handles:
-            h.wait()
+        self._wait_arrivals()
         self._handles = []
         self.seconds["recv_wait"] += time.perf_counter() - start
         self._wait_same_host()

@@ -85,6 +85,7 @@ class VersionWriter:
             self.max_chunk_bytes,
             peers=self.peers,
             timeout_s=self.timeout_s,
+            background=self.worker,
         )
 
     @property
