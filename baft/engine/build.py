@@ -28,6 +28,7 @@ from baft.engine.worker import ProtectWorker
 from baft.liveness.termination import Termination
 from baft.pipeline.layout import GlobalLayout
 from baft.pipeline.mesh import Mesh
+from baft.pipeline.replicas import ReplicaRecords, replicated_digest
 from baft.pipeline.step import StepRunner
 from baft.plan import names
 from baft.store.disk import Persister, PersistKeys, choose_persist_keys
@@ -44,7 +45,10 @@ class RunnerState:
     The small-state records (``extra.*``) get this rank's pipeline and tensor-parallel
     coordinates in their names, as the engine's RNG record always had: the names of the
     records are the same on every stage, and DCP keeps one copy of same-named plain
-    tensors. DP replicas share them (their state is identical). Parameters stay
+    tensors. DP replicas share the optimizer record; every replica's ``state=`` objects
+    and RNG are in the layout once per replica, kept current on every replica by an
+    exchange at each version's start (:class:`~baft.pipeline.replicas.ReplicaRecords`, on
+    ``transport``), so that a restore gives each replica its own. Parameters stay
     ``model.<fqn>`` and optimizer state ``optim.<fqn>.<key>``; everything else (buffers,
     records) is copied every version by differential checkpoints
     (:func:`baft.plan.names.group_of` is None for it).
@@ -55,13 +59,19 @@ class RunnerState:
     before the loop fetches the next batch or draws from the RNG.
     """
 
-    def __init__(self, runner: StepRunner) -> None:
+    def __init__(self, runner: StepRunner, transport: Transport) -> None:
         self.runner = runner
         self.ts = runner.state
-        c = runner.mesh.coords
+        self.transport = transport
+        mesh = runner.mesh
+        c = mesh.coords
         self._prefix = prefix = names.extra_prefix(c.pp, c.tp)
-        self._rename = {n: names.with_coords(n, prefix) for n, _ in self.ts.tensors()}
-        self._named = [(self._rename[n], t) for n, t in self.ts.tensors()]
+        self.replicas = ReplicaRecords(
+            self.ts.tensors(), rank=mesh.rank, replicas=mesh.topology.replicas(mesh.rank)
+        )
+        named = self.replicas.named()
+        self._rename = {n: names.with_coords(n, prefix) for n, _ in named}
+        self._named = [(self._rename[n], t) for n, t in named]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self._named)
@@ -72,7 +82,8 @@ class RunnerState:
         ``"pp{p}.tp{t}"``, as ``baft.protect`` gathered them (this rank's alone when it
         did not): recorded with every shard and persisted checkpoint, checked by restores."""
         c = self.runner.mesh.coords
-        return dict(self.runner.layout_digests) or {f"pp{c.pp}.tp{c.tp}": self.ts.layout_digest}
+        mine = dict(self.runner.layout_digests) or {f"pp{c.pp}.tp{c.tp}": self.ts.layout_digest}
+        return {k: replicated_digest(d, self.replicas.num_dp) for k, d in mine.items()}
 
     def global_layouts(self) -> dict[str, GlobalLayout]:
         """The DTensor entries' global layouts (TP shards), by engine name."""
@@ -80,6 +91,7 @@ class RunnerState:
 
     def capture(self) -> None:
         self.runner.capture_at_start()
+        self.replicas.exchange(self.transport)  # every replica's own records, everywhere
 
     def named_params(self) -> dict[str, torch.Tensor]:
         return {fqn: p for m in self.runner.modules for fqn, p in m.named_parameters()}
@@ -91,7 +103,8 @@ class RunnerState:
     def check_layout(self, saved: list[tuple[str, int]]) -> None:
         """Raise ValueError naming what differs unless ``saved`` (names, bytes as the
         engine named them) is this state's layout. Before any restored byte is written."""
-        self.ts.check_layout([(names.without_coords(n, self._prefix), b) for n, b in saved])
+        plain = [(names.without_coords(n, self._prefix), b) for n, b in saved]
+        self.ts.check_layout(self.replicas.own_layout(plain))
 
     def apply(self) -> None:
         self.ts.apply()
@@ -184,7 +197,7 @@ def build_engine(
         transport, store.path, store.root, mesh.topology, enabled=ck.exchange.paths == "auto"
     )
     policy = ck.policy
-    state = RunnerState(runner)
+    state = RunnerState(runner, transport)
     persister = None
     if persist and ck.persist.dir and (policy.persist_every or ck.persist.flush_on_sigterm):
         persister = Persister(

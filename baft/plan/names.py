@@ -10,7 +10,10 @@ Every tensor baft checkpoints has a name ``<kind>.<rest>``:
   ``extra.meta.<optimizer class>``, each ``state=`` object ``extra.state.<key>``, the RNG
   states ``extra.rng.cpu`` / ``extra.rng.cuda``, the deferred-state flags
   ``extra.optim.created``. The engine puts a rank's coordinates after the kind
-  (``extra.pp<p>.tp<t>.rng.cpu``, :func:`extra_prefix`).
+  (``extra.pp<p>.tp<t>.rng.cpu``, :func:`extra_prefix`). With DP replicas the records
+  each replica keeps for itself (``state=`` objects and RNG, :func:`is_per_replica`)
+  are in the layout once per replica, the replica's index after the record's kind
+  (``extra.state.dp<d>.<key>``, ``extra.rng.dp<d>.cpu``, :func:`replica`).
 
 A differential payload adds ``grad.<fqn>``, the gradient record of ``model.<fqn>``.
 A parameter and its optimizer state form one tensor group, named by the parameter's FQN
@@ -76,6 +79,20 @@ def state(key: str) -> str:
 def rng(device_type: str) -> str:
     """``extra.rng.<device type>`` (``cpu``, ``cuda``)."""
     return EXTRA_RNG + device_type
+
+
+def is_per_replica(name: str) -> bool:
+    """A record each DP replica keeps for itself: a ``state=`` object or an RNG state."""
+    return name.startswith(EXTRA_STATE) or name.startswith(EXTRA_RNG)
+
+
+def replica(name: str, dp: int) -> str:
+    """DP replica ``dp``'s copy of a per-replica record: ``extra.state.<key>`` ->
+    ``extra.state.dp<dp>.<key>``, ``extra.rng.cpu`` -> ``extra.rng.dp<dp>.cpu``."""
+    for prefix in (EXTRA_STATE, EXTRA_RNG):
+        if name.startswith(prefix):
+            return f"{prefix}dp{dp}.{name[len(prefix) :]}"
+    raise ValueError(f"{name!r} is no per-replica record ({EXTRA_STATE}<key>, {EXTRA_RNG}<device>)")
 
 
 def split(name: str) -> tuple[str, str]:

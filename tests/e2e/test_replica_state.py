@@ -1,0 +1,129 @@
+"""DP replicas keep their own small state through a kill -9 and through a power loss.
+
+``tests/e2e/replica_state_script.py`` gives every data-parallel replica its own loader
+position, counter and RNG stream (the model and optimizer stay replicas). Under torchrun
+(group restart) a worker is SIGKILLed from outside mid-run; after baft restores it from
+memory, every rank ends bit-identical to the same loop without baft: its own loader,
+counter and RNG, not another replica's. The plain ``dp=2`` job (2 ranks) and an FSDP2
+HSDP job (``dp_replicate=2 x dp_shard=2``, 4 ranks) from memory; the plain job once more
+after a power loss (every process killed, the stores wiped, the same command launched
+again), from its DCP checkpoint.
+
+Slow (each case runs the reference and the protected job under torchrun, ~1 min each on
+two cores); the default tier's cover is tests/dist/test_replica_state.py (the same
+per-replica state through restores from memory and DCP, in one gloo job).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baft.train.launch import launch_env
+from tests.e2e.jobs import (
+    REPO,
+    iterations_done,
+    kill_agent,
+    read_jsonl,
+    signal_all,
+    torchrun,
+    worker_pids,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+SCRIPT = REPO / "tests" / "e2e" / "replica_state_script.py"
+ITERATIONS = 14
+
+
+def _command(out: Path, world: int, args: list[str], store: Path | None) -> list[str]:
+    cmd = [*torchrun(world, out / "logs", None, max_restarts=2 if store else 0)]
+    cmd += [str(SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}", *args]
+    if store is None:
+        return [*cmd, "--unprotected", "--sleep=0"]
+    return [*cmd, f"--store-root={store}", f"--ranks-per-node={max(1, world // 2)}"]
+
+
+def _states(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"state.rank{r}.json").read_text()) for r in range(world)]
+
+
+def _wait(agent: subprocess.Popen, run: Path, world: int, done: int, log: Path) -> None:
+    deadline = time.monotonic() + 400
+    while iterations_done(run, world) < done:
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.01)
+
+
+def _case(tmp: Path, world: int, args: list[str], fault: str) -> tuple[list[dict], list[dict]]:
+    ref, run, store = tmp / "ref", tmp / "run", Path("/dev/shm") / f"baft-rs-{tmp.name}"
+    subprocess.run(
+        _command(ref, world, args, None), env=launch_env(), cwd=REPO, check=True,
+        capture_output=True,
+    )  # fmt: skip
+    expected = _states(ref, world)
+    # the replicas really differ: a restore from one copy per stage cannot pass
+    assert len({json.dumps(s["loader"]) + json.dumps(s["counter"]) for s in expected}) == world
+    assert len({s["rng"] for s in expected}) == world
+    log = tmp / "agent.log"
+    cmd = _command(run, world, args, store)
+    try:
+        with open(log, "w") as f:
+            agent = subprocess.Popen(
+                cmd, env=launch_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            _wait(agent, run, world, 6, log)
+            if fault == "kill":
+                signal_all([worker_pids(agent)[world - 1]], signal.SIGKILL)
+            else:  # power loss: every process and the host memory
+                kill_agent(agent)
+                shutil.rmtree(store)
+                with open(log, "a") as f:
+                    agent = subprocess.Popen(
+                        cmd, env=launch_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )  # fmt: skip
+            assert agent.wait(400) == 0, log.read_text()[-3000:]
+        finally:
+            if agent.poll() is None:
+                kill_agent(agent)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    recs = read_jsonl(run / "recoveries.jsonl")
+    return expected, [*_states(run, world), *recs]
+
+
+@pytest.mark.parametrize(
+    ("world", "args"),
+    [(2, ["--dp-replicate=2"]), (4, ["--dp-replicate=2", "--dp-shard=2"])],
+    ids=["dp2", "hsdp2x2"],
+)
+def test_replicas_keep_their_state_through_a_kill(
+    tmp_path: Path, world: int, args: list[str]
+) -> None:
+    expected, got = _case(tmp_path, world, args, "kill")
+    states, recs = got[:world], got[world:]
+    assert [r["source"] for r in recs] == ["memory"], recs
+    for r in range(world):  # each rank its own loader, counter, RNG, and the same model
+        assert states[r] == expected[r], (r, states[r], expected[r])
+
+
+def test_replicas_keep_their_state_through_a_power_loss(tmp_path: Path) -> None:
+    args = ["--dp-replicate=2", "--persist-every=1"]
+    expected, got = _case(tmp_path, 2, args, "power")
+    states, recs = got[:2], got[2:]
+    assert [r["source"] for r in recs] == ["disk"], recs
+    for r in range(2):
+        assert states[r] == expected[r], (r, states[r], expected[r])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-m", "slow", "-v"]))
