@@ -1,7 +1,7 @@
 """The base class ``BaftCheckpointManager`` derives from: torchtitan's own when installed.
 
 torchtitan's ``BaseCheckpointManager`` (``torchtitan/components/checkpointer/base.py``,
-read at torchtitan commit b5bcd76, 2026-08-21) is a ``Configurable``: its subclasses
+torchtitan 0.3.0, tested in baft's dev environment) is a ``Configurable``: its subclasses
 declare a nested ``Config`` dataclass (``kw_only``, ``slots``), and ``Config.build(**kw)``
 constructs the class that declared it. Its public methods check ``enable`` and dispatch to
 the ``_``-prefixed hooks a manager implements (``_load``, ``_save``,
@@ -93,7 +93,7 @@ class StandInCheckpointManager(ABC):
     def _close(self) -> None: ...
 
 
-if TYPE_CHECKING:  # type-check against the stand-in: torchtitan is not a dependency
+if TYPE_CHECKING:  # type-check against the stand-in: torchtitan is no runtime dependency
     BaseManager = StandInCheckpointManager
     TORCHTITAN_AVAILABLE: bool
 else:

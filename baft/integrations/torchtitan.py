@@ -175,6 +175,43 @@ def _check_model_parts(stages: Sequence[Any], model_parts: Sequence[nn.Module]) 
         )
 
 
+class _RngNeutralLoader:
+    """torchtitan's data loader (a ``torchdata`` ``StatefulDataLoader``) as a ``state=``
+    object whose ``state_dict()`` leaves the RNG and the loader as they were.
+
+    ``StatefulDataLoader.state_dict()`` before the loop's ``iter()`` creates the iterator,
+    which draws its base seed from the global RNG (torch's ``_BaseDataLoaderIter``), and
+    takes the state loaded by ``load_state_dict`` (``next_iter_state``); ``iter()`` then
+    reuses it. baft reads the state at ``protect`` and after a restore, before the loop:
+    the draw would move there (after a restore: one draw more than the run that never
+    failed). Here that iterator is dropped and the RNG and the loaded state put back, so
+    the loop's ``iter()`` creates it and draws as without baft."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    @staticmethod
+    def wrap(loader: Any) -> Any:
+        if not hasattr(loader, "_initial_iter_for_state_dict"):
+            return loader  # not a torchdata StatefulDataLoader: taken as it is
+        return _RngNeutralLoader(loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        loader = self.loader
+        if loader._iterator is not None:
+            return dict(loader.state_dict())
+        rng, pending = torch.get_rng_state(), loader.next_iter_state
+        try:
+            return dict(loader.state_dict())
+        finally:
+            loader._iterator, loader._initial_iter_for_state_dict = None, False
+            loader.next_iter_state = pending
+            torch.set_rng_state(rng)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)
+
+
 class BaftCheckpointManager(BaseManager):
     """torchtitan checkpoint manager that protects every step with baft (module docstring).
 
@@ -237,6 +274,7 @@ class BaftCheckpointManager(BaseManager):
         stages = schedule_stages(schedule)
         _check_model_parts(stages, model_parts)
         self._train_state = train_state
+        self._schedule = schedule
         self.ft = protect(
             schedule=schedule,
             stages=stages,
@@ -261,7 +299,7 @@ class BaftCheckpointManager(BaseManager):
     ) -> dict[str, Any]:
         out = dict(states)
         if dataloader is not None:
-            out["dataloader"] = dataloader
+            out["dataloader"] = _RngNeutralLoader.wrap(dataloader)
         out.update(lr_scheduler_state(lr_schedulers))
         return out
 
@@ -284,7 +322,33 @@ class BaftCheckpointManager(BaseManager):
                 f"steps) but the restored train_state says step {trainer_step}"
             )
         log.info("torchtitan: %s", f"resumed at step {resume}" if resume else "fresh start")
+        if resume > 0:
+            self._rng_again_at_next_step()
         return resume > 0
+
+    def _rng_again_at_next_step(self) -> None:
+        """Put the restored RNG back when the next step's pipeline schedule runs.
+
+        ``Trainer.train()`` calls ``load()`` and then creates its data iterator
+        (``batch_generator(self.dataloader)``), and a torch ``DataLoader`` iterator draws
+        its base seed from the global RNG when created (``_BaseDataLoaderIter``). A run
+        that never failed drew it before step 1, so the restored version already holds that
+        draw: without this, a resumed job would draw once more, and dropout of every later
+        step would differ from the run that never failed."""
+        schedule = self._schedule
+        inner = schedule.step
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if schedule.__dict__.get("step") is step:
+                schedule.step = inner
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda)
+            return inner(*args, **kwargs)
+
+        schedule.step = step
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         taken = self.ft.iteration

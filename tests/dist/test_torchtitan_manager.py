@@ -1,6 +1,7 @@
-"""``BaftCheckpointManager`` in torchtitan's Trainer loop (a fake of torchtitan, see
-``titan_fake``), over 2 real gloo ranks (a 2-stage GPipe pipeline, AdamW fused, dropout,
-a warmup ``LambdaLR`` in torchtitan's container, a dataloader with bytes state).
+"""``BaftCheckpointManager`` in torchtitan's Trainer loop over torchtitan 0.3.0's own
+components (``titan_fake``: its ``BaseCheckpointManager``, ``OptimizersContainer`` with
+AdamW, warmup ``LambdaLR`` in its ``LRSchedulersContainer``, its HF text data loader),
+over 2 real gloo ranks (a 2-stage GPipe pipeline with dropout).
 
 1. The reference: the same trainer with ``checkpoint.enable=False`` (the manager does
    nothing), 6 steps; every step's state is recorded.
@@ -27,14 +28,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.dist.titan_fake import make_assets
+
 pytestmark = pytest.mark.timeout(300)
 
 
-def _manager_config(base: Path, *, enable: bool = True, **kw: Any) -> Any:
-    from tests.dist import titan_fake
+pytest.importorskip("torchtitan")
 
-    titan_fake.install()
-    from baft.integrations.torchtitan import BaftCheckpointManager
+
+def _manager_config(base: Path, *, enable: bool = True, **kw: Any) -> Any:
+    from baft.integrations.torchtitan import TORCHTITAN_AVAILABLE, BaftCheckpointManager
+
+    assert TORCHTITAN_AVAILABLE  # the manager derives from torchtitan's own base class
 
     return BaftCheckpointManager.Config(
         enable=enable,
@@ -46,9 +51,12 @@ def _manager_config(base: Path, *, enable: bool = True, **kw: Any) -> Any:
 
 
 def _run(rank: int, world: int, base: Path, steps: int, **kw: Any) -> tuple[bool, list[Any], Any]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_CACHE", str(base.parent / "hf_cache"))
     from tests.dist.titan_fake import Trainer
 
-    trainer = Trainer(rank, world, _manager_config(base, **kw), str(base / "outputs"))
+    cfg = _manager_config(base, **kw)
+    trainer = Trainer(rank, world, cfg, base, base.parent / "assets")
     seen: list[Any] = []
 
     def after_step(t: Any) -> None:
@@ -112,6 +120,7 @@ def _titan_job(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.mark.slow  # default tier: test_crashed_torchtitan_trainer_resumes_from_memory
 def test_torchtitan_trainer_restores_bit_exactly(gloo, tmp_path: Path) -> None:
+    make_assets(tmp_path / "assets")
     got = gloo.run(_titan_job, 2, args=(str(tmp_path),), timeout_s=280)
     for rank, out in enumerate(got):
         assert out["ref_steps"] == list(range(7)), out
@@ -134,8 +143,10 @@ def _crash_job(rank: int, world: int, root: str) -> None:
     """Trains with baft and dies right after ``save(4)``, without ``close()``."""
     from tests.dist.titan_fake import Trainer
 
-    base = Path(root)
-    trainer = Trainer(rank, world, _manager_config(base, interval=100), str(base / "outputs"))
+    base = Path(root) / "run"
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_CACHE", str(Path(root) / "hf_cache"))
+    trainer = Trainer(rank, world, _manager_config(base, interval=100), base, Path(root) / "assets")
 
     def die_after_step_4(t: Any) -> None:
         if t.step == 4:
@@ -148,7 +159,7 @@ def _restart_job(rank: int, world: int, root: str) -> dict[str, Any]:
     base = Path(root)
     _, ref, trainer = _run(rank, world, base / "ref", 6, enable=False)
     trainer.close()
-    loaded, seen, trainer = _run(rank, world, base, 6, interval=100)
+    loaded, seen, trainer = _run(rank, world, base / "run", 6, interval=100)
     resumed = seen[0]["train_state"]["step"]
     out = {"loaded": loaded, "resumed": resumed, "source": seen[0].pop("source")}
     out["diff"] = [_differences(s, ref[resumed + i]) for i, s in enumerate(seen)]
@@ -157,6 +168,7 @@ def _restart_job(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def test_crashed_torchtitan_trainer_resumes_from_memory(gloo, tmp_path: Path) -> None:
+    make_assets(tmp_path / "assets")
     crashed = gloo.start(_crash_job, 2, args=(str(tmp_path),), timeout_s=120).wait(130)
     assert [o.returncode for o in crashed] == [9, 9], [o.log[-3000:] for o in crashed]
     got = gloo.run(_restart_job, 2, args=(str(tmp_path),), timeout_s=200)

@@ -1,207 +1,53 @@
-"""A small fake of torchtitan (not installed here) for the BaftCheckpointManager tests.
+"""torchtitan's Trainer loop over torchtitan's own components, small enough for 2 CPU ranks.
 
-:func:`install` puts modules named ``torchtitan``, ``torchtitan.config`` and
-``torchtitan.components.checkpointer`` into ``sys.modules`` with the parts of torchtitan's
-interface the manager meets, restated from torchtitan's source (commit b5bcd76): the
-``Configurable`` wiring (``Config`` dataclasses, ``build(**kw)``), ``BaseCheckpointManager``
-(public methods dispatching to ``_``-hooks when enabled, its ``Config``),
-``OptimizersContainer`` (a torch ``Optimizer`` subclass over one optimizer per model part,
-``Optimizer.__init__`` called for its hooks), ``LRSchedulersContainer`` (one ``LambdaLR``
-per optimizer, ``state_dict`` = ``last_epoch``) and a ``Trainer`` with the calls of
-``Trainer.train``/``train_step`` in their order: ``load()`` before the loop; per step
-``step += 1``, batches, ``zero_grad``, ``pp_schedule.step``, clipping,
-``maybe_wait_for_staging()``, ``optimizers.step()``, ``lr_schedulers.step()``,
-``save(step, last_step)``; ``close()``.
+Everything the checkpointer meets is torchtitan 0.3.0's (a dev dependency):
+``BaseCheckpointManager`` (``BaftCheckpointManager``'s base, its ``Config.build``),
+``OptimizersContainer`` (``default_adamw``: AdamW, one container over the model part),
+``LRSchedulersContainer`` (warmup + linear decay ``LambdaLR``), and the
+``HuggingFaceTextDataLoader`` (a ``torchdata`` ``StatefulDataLoader``, state keyed by DP
+rank) over an offline HF tokenizer and JSON-lines dataset
+(:func:`make_assets`). Only the model (a 2-stage GPipe pipeline of
+linear layers with dropout, fed the token ids as floats) and the loop are this file's:
+:class:`Trainer` restates ``torchtitan.trainer.Trainer.train``/``train_step`` in their
+order: ``load()``, then the data iterator (a torch DataLoader iterator draws its base seed
+from the RNG when created); per step ``step += 1``, ``zero_grad``, batches,
+``pp_schedule.step``, clipping, ``maybe_wait_for_staging()``, ``optimizers.step()``,
+``lr_schedulers.step()``, ``save(step, last_step)``; ``close()``. The whole Trainer, with
+the llama3 model, runs in ``tests/e2e/test_torchtitan_real.py`` (slow tier).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import sys
-import types
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-
-class Configurable:
-    @dataclass(kw_only=True, slots=True)
-    class Config:
-        _owner: ClassVar[type | None] = None
-
-        def build(self, **kwargs: Any) -> Any:
-            assert self._owner is not None, f"{type(self).__name__} has no owner class"
-            overlap = {f.name for f in fields(self)} & kwargs.keys()
-            if overlap:
-                raise ValueError(f"build() kwargs {overlap} overlap with config fields")
-            return self._owner(config=replace(self), **kwargs)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        config_cls = cls.__dict__.get("Config")
-        if config_cls is not None and issubclass(config_cls, Configurable.Config):
-            if "__slots__" not in config_cls.__dict__:
-                raise TypeError(
-                    f"{cls.__name__}.Config must use @dataclass(kw_only=True, slots=True)"
-                )
-            for f in fields(config_cls):
-                if f.init and not f.kw_only:
-                    raise TypeError(f"{cls.__name__}.Config field {f.name!r} must be keyword-only")
-            config_cls._owner = cls
+SEQ = 8
 
 
-class BaseCheckpointManager(Configurable, ABC):
-    enable: bool
-    save_future: Any
+def make_assets(root: Path) -> Path:
+    """The tokenizer and dataset, made once before the ranks start (they read them)."""
+    from tests.e2e.titan_train import make_assets as make
 
-    def load(self, step: int = -1) -> bool:
-        return self._load(step) if self.enable else False
-
-    def save(self, curr_step: int, last_step: bool = False) -> bool:
-        return self._save(curr_step, last_step) if self.enable else False
-
-    def maybe_wait_for_staging(self) -> None:
-        if self.enable:
-            self._maybe_wait_for_staging()
-
-    def close(self) -> None:
-        if getattr(self, "enable", False):
-            self._close()
-
-    def maybe_wait_for_saving(self) -> None:
-        if self.enable and self.save_future is not None:
-            self._wait_for_saving()
-
-    @abstractmethod
-    def _wait_for_saving(self) -> None: ...
-    @abstractmethod
-    def _load(self, step: int = -1) -> bool: ...
-    @abstractmethod
-    def _save(self, curr_step: int, last_step: bool = False) -> bool: ...
-    @abstractmethod
-    def _maybe_wait_for_staging(self) -> None: ...
-    @abstractmethod
-    def _close(self) -> None: ...
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
-        enable: bool = False
-        folder: str = "checkpoint"
-        interval: int = 500
-        initial_load_path: str | None = None
-        initial_load_model_only: bool = True
-        last_save_model_only: bool = True
-        last_save_in_hf: bool = False
-        keep_latest_k: int = 10
-        load_step: int = -1
-        exclude_from_loading: list[str] = field(default_factory=list)
-        enable_first_step_checkpoint: bool = False
-        create_seed_checkpoint: bool = False
-        load_only: bool = False
-
-        def __post_init__(self) -> None:
-            if self.interval < 1:
-                raise ValueError("Checkpoint interval needs to be at least 1 step.")
-            if self.keep_latest_k == 1:
-                raise ValueError("We need to maintain at least 2 checkpoint replicas")
-
-
-def install() -> None:
-    """Make ``import torchtitan.components.checkpointer`` find this fake."""
-    if "torchtitan" in sys.modules:
-        return
-    mods = {
-        name: types.ModuleType(name)
-        for name in ("torchtitan", "torchtitan.config", "torchtitan.components",
-                     "torchtitan.components.checkpointer")
-    }  # fmt: skip
-    for name, mod in mods.items():
-        mod.__path__ = []  # type: ignore[attr-defined]  # a package
-        sys.modules[name] = mod
-    mods["torchtitan.config"].Configurable = Configurable  # type: ignore[attr-defined]
-    ckpt = mods["torchtitan.components.checkpointer"]
-    ckpt.BaseCheckpointManager = BaseCheckpointManager  # type: ignore[attr-defined]
-
-
-class OptimizersContainer(torch.optim.Optimizer):
-    """torchtitan's container: one optimizer per model part, named param groups."""
-
-    def __init__(self, model_parts: list[nn.Module], per_part: int = 1) -> None:
-        self.optimizers: list[torch.optim.Optimizer] = []
-        all_params: list[nn.Parameter] = []
-        for part in model_parts:
-            named = list(part.named_parameters())
-            for k in range(per_part):
-                mine = named[k::per_part]
-                group = {"params": [p for _, p in mine], "param_names": [n for n, _ in mine],
-                         "lr": 0.01, "weight_decay": 0.1, "fused": True, "foreach": False}  # fmt: skip
-                self.optimizers.append(torch.optim.AdamW([group]))
-                all_params.extend(p for _, p in mine)
-        torch.optim.Optimizer.__init__(self, all_params, {})  # for the step hooks
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-
-def _warmup(warmup: int, step: int) -> float:
-    return min(1.0, (step + 1) / warmup)
-
-
-class LRSchedulersContainer:
-    def __init__(self, optimizers: OptimizersContainer) -> None:
-        lr_lambda = functools.partial(_warmup, 3)  # torchtitan builds a partial too
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in optimizers.optimizers
-        ]
-
-    def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_epoch": self.schedulers[0].last_epoch}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for scheduler in self.schedulers:
-            scheduler.last_epoch = state_dict["last_epoch"]
-
-
-class DataLoader:
-    """Stateful like torchtitan's Grain loader: its rank's state as bytes."""
-
-    def __init__(self) -> None:
-        self.position = 0
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.position += 1
-        g = torch.Generator().manual_seed(self.position)
-        return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "dp_rank_0": json.dumps({"position": self.position}).encode()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = json.loads(state["dp_rank_0"].decode())["position"]
+    make(root, documents=200)
+    return root
 
 
 class Trainer:
     """The calls of torchtitan's Trainer, in order, over a 2-stage GPipe pipeline."""
 
-    def __init__(self, rank: int, world: int, checkpoint: Any, dump_folder: str) -> None:
+    def __init__(self, rank: int, world: int, checkpoint: Any, base: Path, assets: Path) -> None:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+        from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
         torch.manual_seed(100 + rank)
-        part = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 8))
+        part = nn.Sequential(nn.Linear(SEQ, SEQ), nn.GELU(), nn.Dropout(0.1), nn.Linear(SEQ, SEQ))
         stage = PipelineStage(part, rank, world, torch.device("cpu"))
         self.rank, self.last = rank, rank == world - 1
         self.pp_schedule = ScheduleGPipe(
@@ -209,21 +55,28 @@ class Trainer:
         )
         self.parallel_dims = None
         self.model_parts: list[nn.Module] = [part]
-        self.optimizers = OptimizersContainer(self.model_parts)
-        self.lr_schedulers = LRSchedulersContainer(self.optimizers)
+        self.optimizers = default_adamw(lr=0.01).build(model_parts=self.model_parts)
+        self.lr_schedulers = LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
+        ).build(optimizers=self.optimizers, training_steps=10)
         self.step = 0
         self.ntokens_seen = 0
-        self.dataloader = DataLoader()
+        tokenizer = HuggingFaceTokenizer(tokenizer_path=str(assets / "tokenizer"))
+        config = HuggingFaceTextDataLoader.Config(dataset_path=str(assets / "c4"))
+        self.dataloader = config.build(
+            dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=SEQ, local_batch_size=4
+        )
         self.checkpointer = checkpoint.build(
             dataloader=self.dataloader, model_parts=self.model_parts,
             optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
-            states={"train_state": self}, sd_adapter=None, base_folder=dump_folder,
+            states={"train_state": self}, sd_adapter=None, base_folder=str(base / "outputs"),
         )  # fmt: skip
 
-    def train_step(self) -> None:
+    def train_step(self, data: Iterator[Any]) -> None:
         self.optimizers.zero_grad()
-        x, y = self.dataloader.next_batch()
-        self.ntokens_seen += x.numel()
+        inputs, labels = next(data)
+        x, y = inputs["input"].float() / 300, labels.float() / 300
+        self.ntokens_seen += labels.numel()
         if self.rank == 0:
             self.pp_schedule.step(x)
         else:
@@ -236,9 +89,10 @@ class Trainer:
     def train(self, steps: int, after_step: Callable[[Trainer], None] = lambda _: None) -> bool:
         loaded = self.checkpointer.load(step=-1)
         after_step(self)  # the state the loop starts from
+        data = iter(self.dataloader)  # after load(), as Trainer.train's batch_generator
         while self.step < steps:
             self.step += 1
-            self.train_step()
+            self.train_step(data)
             self.checkpointer.save(self.step, last_step=self.step == steps)
             after_step(self)
         return loaded
@@ -256,16 +110,15 @@ class Trainer:
     def snapshot(self) -> dict[str, Any]:
         """Copies of everything a restore must bring back, by name."""
         opt = self.optimizers.optimizers[0]
-        names = dict(
-            zip(opt.param_groups[0]["params"], opt.param_groups[0]["param_names"], strict=True)
-        )
+        names = {id(p): n for n, p in self.model_parts[0].named_parameters()}
         out: dict[str, Any] = {f"model.{k}": v.detach().clone()
                                for k, v in self.model_parts[0].state_dict().items()}  # fmt: skip
         for p, st in opt.state.items():
-            out.update({f"optim.{names[p]}.{k}": v.clone() for k, v in st.items()})
+            out.update({f"optim.{names[id(p)]}.{k}": v.clone() for k, v in st.items()})
         out["lr"] = [g["lr"] for g in opt.param_groups]
         out["scheduler"] = self.lr_schedulers.schedulers[0].state_dict()
         out["rng"] = torch.get_rng_state()
         out["train_state"] = self.state_dict()
-        out["data"] = self.dataloader.position
+        data = pickle.loads(self.dataloader.state_dict()["dp_rank_0"])
+        out["data"] = (data.get("_num_yielded"), repr(data))
         return out
