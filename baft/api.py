@@ -230,15 +230,26 @@ class Protected:
         """Build the engine, recover the newest rebuildable version into the live model,
         optimizer and ``state=`` objects; returns the iteration to continue from (0 on
         a fresh job). Collective."""
-        from baft.engine.build import build_engine
-        from baft.recover.runtime import recover_and_start
-
         if self._phase is not _Phase.NEW:
             raise RuntimeError(
                 "restore() was already called: call it once, before the first step()"
             )
         self._phase = _Phase.RESTORING
         self.runner.begin_restore()  # a restore may replay optimizer steps: no hooks then
+        try:
+            resume = self._restore()
+        except BaseException as e:
+            self.runner.restore_failed(
+                f"restore() failed ({type(e).__name__}: {e}); nothing is checkpointed, so "
+                "the loop must not go on: fix the cause and launch again"
+            )
+            raise
+        return resume
+
+    def _restore(self) -> int:
+        from baft.engine.build import build_engine
+        from baft.recover.runtime import recover_and_start
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self.watchdog.section("restore"):
             t_build = time.time()
@@ -291,6 +302,7 @@ class Protected:
         microbatch loss on the last stage."""
         if self._phase is _Phase.NEW:
             raise RuntimeError(NOT_RESTORED)
+        self.runner._check_restored()  # a failed restore() says so
         return self.runner.run_step(iteration, inputs, target).loss
 
     def average_gradients(self) -> None:

@@ -45,8 +45,12 @@ class StoreConfig:
     """Root of the shared-memory snapshot stores."""
     job_id: str = ""
     """Store directory name; empty = derived from the run directory."""
-    budget_bytes: int = 8 << 30
-    """Hard host-memory budget per rank's store."""
+    budget_bytes: int | None = None
+    """Hard host-memory budget per rank's store. None (default): derived from the host
+    before the first step, the lesser of half of MemAvailable and the free space under
+    ``root``, split over the ranks sharing it, the smallest of the job's ranks (see
+    :mod:`baft.engine.admission`). ``full_every=auto`` plans under it, and a job whose
+    smallest layout does not fit is refused before its first step."""
     keep_on_close: bool = False
     """At a clean end (``ft.close()`` between iterations on every rank) the snapshot
     stores are freed unless this is True (to continue the job from memory with a larger
@@ -241,7 +245,7 @@ class CheckpointConfig:
             raise ValueError(f"timeouts.collective_s={t.collective_s} must be > 0 seconds")
         if t.flush_s <= 0:
             raise ValueError(f"timeouts.flush_s={t.flush_s} must be > 0 seconds")
-        if self.store.budget_bytes <= 0:
+        if self.store.budget_bytes is not None and self.store.budget_bytes <= 0:
             raise ValueError(f"store.budget_bytes={self.store.budget_bytes} must be > 0")
         for name, value in (
             ("allow_fresh_start", self.allow_fresh_start),

@@ -10,6 +10,7 @@ measurement harness all build engines through it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from baft.config import CheckpointConfig
+from baft.engine import admission
 from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
@@ -32,6 +34,8 @@ from baft.pipeline.replicas import ReplicaRecords, replicated_digest
 from baft.pipeline.step import StepRunner
 from baft.plan import names
 from baft.store.disk import Persister, PersistKeys, choose_persist_keys
+from baft.store.paths import host_id
+from baft.store.policy import Redundancy
 from baft.store.shm import SnapshotStore
 
 log = logging.getLogger("baft")
@@ -153,6 +157,41 @@ def agree_persist_keys(transport: Transport, mesh: Mesh, names: list[str]) -> Pe
     return PersistKeys(scheme=scheme, pp=c.pp)
 
 
+def budget_stores(
+    ck: CheckpointConfig, transport: Transport, mesh: Mesh, state: RunnerState, store: SnapshotStore
+) -> CheckpointConfig:
+    """The job's store budget (configured, or derived from every host: the smallest rank's
+    share, see :mod:`baft.engine.admission`), set on ``store``; refuses the job before its
+    first step when even the smallest layout cannot fit it. Collective. Returns ``ck``
+    with the agreed budget (what ``full_every=auto`` plans under)."""
+    nbytes = sum(t.numel() * t.element_size() for _, t in state.named_tensors())
+    nbytes += admission.deferred_state_nbytes(state.optimizer)
+    seen = admission.observe(host_id(), store.root)
+    mine = (seen, nbytes, ck.store.budget_bytes)
+    gathered = transport.all_gather_object(mine)
+    if ck.store.budget_bytes is not None:
+        budget, reason = ck.store.budget_bytes, "StoreConfig.budget_bytes"
+    else:
+        derived = [
+            admission.derive_budget([g[0] for g in gathered], r) for r in range(len(gathered))
+        ]
+        worst = min(range(len(derived)), key=lambda r: derived[r][0])
+        budget, reason = derived[worst][0], f"derived on rank {worst}: {derived[worst][1]}"
+    topo = mesh.topology
+    needed = admission.smallest_store_bytes(
+        [g[1] for g in gathered], [len(topo.replicas(r)) for r in range(len(gathered))], topo,
+        Redundancy.parse(ck.policy.redundancy),
+    )  # fmt: skip
+    admission.admit(needed, budget, reason, Redundancy.parse(ck.policy.redundancy))
+    if mesh.rank == 0:
+        log.info(
+            "store budget %s B per rank (%s); the smallest layout needs %s B", f"{budget:,}",
+            reason, f"{max(needed):,}",
+        )  # fmt: skip
+    store.budget_bytes = budget
+    return dataclasses.replace(ck, store=dataclasses.replace(ck.store, budget_bytes=budget))
+
+
 def build_engine(
     ck: CheckpointConfig,
     run_dir: str | Path,
@@ -180,7 +219,7 @@ def build_engine(
         ck.store.job_id,
         mesh.topology.node_of(mesh.rank),
         mesh.rank,
-        ck.store.budget_bytes,
+        ck.store.budget_bytes or 0,  # the agreed budget is set by budget_stores below
     )
     thread_copy = ck.exchange.snapshot_copy == "thread"
     copier = device_copy_for(mesh.device, emulated=thread_copy)
@@ -198,6 +237,7 @@ def build_engine(
     )
     policy = ck.policy
     state = RunnerState(runner, transport)
+    ck = budget_stores(ck, transport, mesh, state, store)
     persister = None
     if persist and ck.persist.dir and (policy.persist_every or ck.persist.flush_on_sigterm):
         persister = Persister(

@@ -177,8 +177,9 @@ class Rotation:
         policy = self.ck.policy
         if policy.full_every >= 1:
             return policy.full_every, f"full_every={policy.full_every} (configured)"
+        budget = self.ck.store.budget_bytes  # agreed by build_engine; None: no budget known
         return auto_k(
-            plan_input.to_json(), policy, self.topology, self.redundancy, self.ck.store.budget_bytes
+            plan_input.to_json(), policy, self.topology, self.redundancy, budget or 1 << 62
         )
 
     # ------------------------------------------------------------------ re-plan

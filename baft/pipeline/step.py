@@ -216,9 +216,13 @@ class StepRunner:
         self.iteration = iteration
         self.phase = Phase.RUNNING
 
+    def restore_failed(self, why: str) -> None:
+        """The restore raised: every later step raises ``why`` (it would run unprotected)."""
+        self.phase, self._refusal = Phase.UNRESTORED, why
+
     def _check_restored(self) -> None:
         if self.phase is Phase.UNRESTORED:
-            raise RuntimeError(NOT_RESTORED)
+            raise RuntimeError(getattr(self, "_refusal", NOT_RESTORED))
 
     @property
     def in_iteration(self) -> bool:
