@@ -91,6 +91,11 @@ def summarize_mode(samples: dict[str, list[list[float]]]) -> dict[str, Any]:
             for f in PER_RANK
             if samples.get(f)
         },
+        "per_rank_mean": {  # means add up (the attribution's parts sum to its total)
+            f: [statistics.fmean(col) for col in zip(*samples[f], strict=True)]
+            for f in ("iter_s", "exposed_s", *PER_RANK)
+            if samples.get(f)
+        },
     }
 
 

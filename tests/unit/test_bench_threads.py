@@ -48,3 +48,28 @@ def test_clock_sees_a_busy_named_thread() -> None:
     t.join()
     assert values["baft_cpu_s"] > 0.0
     assert values["other_cpu_s"] >= 0.0
+
+
+def test_attribution_parts_add_up_to_the_overhead_per_rank() -> None:
+    from baft_bench.attribution import attribute, markdown
+
+    def mode(it: float, main: float, runq: float, exposed: float, blocked: float) -> dict:
+        return {
+            "per_rank_mean": {
+                "iter_s": [it, it], "main_cpu_s": [main, main], "main_runq_s": [runq, 0.0],
+                "exposed_s": [exposed, 0.0], "blocked_s": [blocked, blocked + 0.004],
+                "baft_cpu_s": [0.03, 0.03], "other_cpu_s": [0.01, 0.01],
+            }
+        }  # fmt: skip
+
+    result = {"modes": {"none": mode(0.300, 0.090, 0.001, 0.0, 0.050),
+                        "baft": mode(0.316, 0.095, 0.003, 0.006, 0.050)}}  # fmt: skip
+    result["modes"]["none"]["per_rank_mean"]["baft_cpu_s"] = [0.0, 0.0]
+    r0, r1 = attribute(result, "baft")
+    assert round(r0["overhead"], 6) == 16.0
+    assert [round(r0[k], 6) for k in ("main_cpu", "main_runq", "exposed_wait")] == [5.0, 2.0, 6.0]
+    assert round(r0["residual"], 6) == 3.0 and round(r0["measured_share"], 4) == 0.8125
+    assert round(r1["pipeline_wait"], 6) == 0.0 and round(r1["residual"], 6) == 11.0
+    assert round(r0["baft_threads"], 6) == 30.0
+    table = markdown(result, ["baft"])
+    assert "| baft | 0 | +16.0 | +5.0 | +2.0 | +6.0 | +0.0 | +3.0 | +30.0 | +0.0 | 81% |" in table
