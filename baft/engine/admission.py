@@ -14,10 +14,10 @@ uses the smallest budget of the job, so the planner chooses the same ``full_ever
 everywhere (:func:`baft.engine.planning.auto_k` steps it down under the budget).
 
 The smallest layout is ``full_every=1``: two slots of the rank's shard and its
-redundancy. Before the first step the optimizer's moments may not exist yet (torch
-creates them at the first ``step()``), so the shard is estimated from what exists plus
-the moments the optimizer will create (:func:`deferred_state_nbytes`); the exact check
-runs again when the plan allocates the store (:meth:`baft.store.shm.SnapshotStore.allocate`).
+redundancy. The rank's state layout is fixed before the first step (the optimizer's
+state is created up front, or held for it, see :mod:`baft.pipeline.optim_state`), so the
+shard is exact; the plan's allocation checks its own layout again
+(:meth:`baft.store.shm.SnapshotStore.allocate`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from baft.store.coding import Redundancy, group_layouts
 from baft.store.shm import MemoryBudgetError, SnapshotStore
 from baft.topology import Topology
@@ -36,9 +34,6 @@ from baft.topology import Topology
 MEM_FRACTION = 0.5
 """Share of the host's MemAvailable the stores of all its ranks may take by default (the
 rest stays for the training processes, data loaders and the page cache)."""
-_MOMENTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "SGD": 1, "RMSprop": 1}
-"""Tensors of a parameter's shape each optimizer creates at its first step (SGD: with
-momentum only; RMSprop: plus one per option it enables, a lower bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,23 +80,6 @@ def derive_budget(seen: Sequence[HostMemory], rank: int) -> tuple[int, str]:
     total, why = min(limits)
     budget = total // sharing
     return budget, f"{why} / {sharing} rank(s) sharing it = {_mib(budget)} per rank"
-
-
-def deferred_state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the per-parameter state ``optimizer`` will create at its first step and
-    does not hold yet (0 once it exists, or for an optimizer not in :data:`_MOMENTS`)."""
-    per = _MOMENTS.get(type(optimizer).__name__, 0)
-    if type(optimizer).__name__ == "SGD" and not any(
-        g.get("momentum") for g in optimizer.param_groups
-    ):
-        per = 0
-    out = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p not in optimizer.state or not optimizer.state[p]:
-                local = p.to_local() if hasattr(p, "to_local") else p
-                out += per * local.numel() * local.element_size()
-    return out
 
 
 def smallest_store_bytes(

@@ -165,7 +165,6 @@ def budget_stores(
     first step when even the smallest layout cannot fit it. Collective. Returns ``ck``
     with the agreed budget (what ``full_every=auto`` plans under)."""
     nbytes = sum(t.numel() * t.element_size() for _, t in state.named_tensors())
-    nbytes += admission.deferred_state_nbytes(state.optimizer)
     seen = admission.observe(host_id(), store.root)
     mine = (seen, nbytes, ck.store.budget_bytes)
     gathered = transport.all_gather_object(mine)

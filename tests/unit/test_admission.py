@@ -4,12 +4,10 @@ parts, with exact numbers."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from baft.engine.admission import (
     HostMemory,
     admit,
-    deferred_state_nbytes,
     derive_budget,
     read_mem_available,
     smallest_store_bytes,
@@ -43,17 +41,6 @@ def test_budget_is_the_lesser_limit_split_over_the_ranks_sharing_the_root() -> N
         "64.0 MiB free under /dev/shm / 1 rank(s) sharing it = 64.0 MiB per rank",
     )
     assert derive_budget(seen, 3)[0] == 6 * GiB
-
-
-def test_deferred_state_counts_the_moments_the_first_step_creates() -> None:
-    p = torch.nn.Parameter(torch.zeros(10, 10))  # 400 B
-    adam = torch.optim.AdamW([p])
-    assert deferred_state_nbytes(adam) == 800  # exp_avg and exp_avg_sq
-    p.grad = torch.ones_like(p)
-    adam.step()
-    assert deferred_state_nbytes(adam) == 0  # they exist now (counted as live tensors)
-    assert deferred_state_nbytes(torch.optim.SGD([p], lr=0.1)) == 0
-    assert deferred_state_nbytes(torch.optim.SGD([p], lr=0.1, momentum=0.9)) == 400
 
 
 def test_smallest_layout_splits_over_replicas_and_adds_redundancy() -> None:
