@@ -42,7 +42,9 @@ class LiveState(Protocol):
         ...
 
     def capture(self) -> None:
-        """Refresh the small-state tensors from the live objects (a version's start)."""
+        """Refresh the small-state tensors from the live objects (a version's start);
+        with DP replicas, also the copies of the other replicas' own records
+        (:mod:`baft.pipeline.replicas`). Collective over a stage's replicas."""
         ...
 
     def apply(self) -> None:

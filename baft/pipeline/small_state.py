@@ -6,7 +6,10 @@ param groups' hyperparameters (``extra.meta.<optimizer class>``), the ``state_di
 every object registered with ``state=`` (:class:`Stateful`: LR schedulers, samplers,
 counters; ``extra.state.<key>``), and the RNG states (``extra.rng.*``, raw). It captures
 them from the live objects, decodes and validates restored ones, and loads them back;
-and it owns the records' framing (header, capacity; :func:`decode_record`).
+and it owns the records' framing (header, capacity; :func:`decode_record`). The
+``state=`` objects and RNG are each replica's own: with DP replicas the engine's layout
+holds every replica's copy of them (``extra.state.dp<d>.<key>``, ``extra.rng.dp<d>.*``,
+:mod:`baft.pipeline.replicas`), and these records are this replica's copy.
 
 Small state is encoded as JSON with tagged values
 (:func:`~baft.pipeline.encoding.encode_value`), never pickled: the bytes may have been

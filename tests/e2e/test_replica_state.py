@@ -4,10 +4,12 @@
 position, counter and RNG stream (the model and optimizer stay replicas). Under torchrun
 (group restart) a worker is SIGKILLed from outside mid-run; after baft restores it from
 memory, every rank ends bit-identical to the same loop without baft: its own loader,
-counter and RNG, not another replica's. The plain ``dp=2`` job (2 ranks) and an FSDP2
-HSDP job (``dp_replicate=2 x dp_shard=2``, 4 ranks) from memory; the plain job once more
-after a power loss (every process killed, the stores wiped, the same command launched
-again), from its DCP checkpoint.
+counter and RNG, not another replica's. The plain ``dp=2`` job (2 ranks, full
+snapshots) and an FSDP2 HSDP job (``dp_replicate=2 x dp_shard=2``, 4 ranks, differential
+versions with ``full_every=2``) from memory; the plain job once more after a power loss
+(every process killed, the stores wiped, the same command launched again), from its DCP
+checkpoint. The fault lands at a random moment after 6 iterations (``BAFT_RS_SEED``
+replays one).
 
 Slow (each case runs the reference and the protected job under torchrun, ~1 min each on
 two cores); the default tier's cover is tests/dist/test_replica_state.py (the same
@@ -17,6 +19,8 @@ per-replica state through restores from memory and DCP, in one gloo job).
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
 import signal
 import subprocess
@@ -40,6 +44,8 @@ from tests.e2e.jobs import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SCRIPT = REPO / "tests" / "e2e" / "replica_state_script.py"
 ITERATIONS = 14
+SEED = int(os.environ.get("BAFT_RS_SEED", random.randrange(1 << 30)))
+RNG = random.Random(SEED)
 
 
 def _command(out: Path, world: int, args: list[str], store: Path | None) -> list[str]:
@@ -81,6 +87,7 @@ def _case(tmp: Path, world: int, args: list[str], fault: str) -> tuple[list[dict
             )  # fmt: skip
         try:
             _wait(agent, run, world, 6, log)
+            time.sleep(RNG.uniform(0.0, 0.3))  # a random moment of the iteration
             if fault == "kill":
                 signal_all([worker_pids(agent)[world - 1]], signal.SIGKILL)
             else:  # power loss: every process and the host memory
@@ -103,7 +110,7 @@ def _case(tmp: Path, world: int, args: list[str], fault: str) -> tuple[list[dict
 
 @pytest.mark.parametrize(
     ("world", "args"),
-    [(2, ["--dp-replicate=2"]), (4, ["--dp-replicate=2", "--dp-shard=2"])],
+    [(2, ["--dp-replicate=2"]), (4, ["--dp-replicate=2", "--dp-shard=2", "--full-every=2"])],
     ids=["dp2", "hsdp2x2"],
 )
 def test_replicas_keep_their_state_through_a_kill(
@@ -111,18 +118,18 @@ def test_replicas_keep_their_state_through_a_kill(
 ) -> None:
     expected, got = _case(tmp_path, world, args, "kill")
     states, recs = got[:world], got[world:]
-    assert [r["source"] for r in recs] == ["memory"], recs
+    assert [r["source"] for r in recs] == ["memory"], (f"BAFT_RS_SEED={SEED}", recs)
     for r in range(world):  # each rank its own loader, counter, RNG, and the same model
-        assert states[r] == expected[r], (r, states[r], expected[r])
+        assert states[r] == expected[r], (f"BAFT_RS_SEED={SEED}", r, states[r], expected[r])
 
 
 def test_replicas_keep_their_state_through_a_power_loss(tmp_path: Path) -> None:
     args = ["--dp-replicate=2", "--persist-every=1"]
     expected, got = _case(tmp_path, 2, args, "power")
     states, recs = got[:2], got[2:]
-    assert [r["source"] for r in recs] == ["disk"], recs
+    assert [r["source"] for r in recs] == ["disk"], (f"BAFT_RS_SEED={SEED}", recs)
     for r in range(2):
-        assert states[r] == expected[r], (r, states[r], expected[r])
+        assert states[r] == expected[r], (f"BAFT_RS_SEED={SEED}", r, states[r], expected[r])
 
 
 if __name__ == "__main__":
