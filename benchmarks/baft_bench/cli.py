@@ -237,6 +237,7 @@ def add_recovery_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--full-every", default="3", help="differential checkpoints: full copy of every tensor at least every N iterations, 1 = whole state, auto (default %(default)s)")  # fmt: skip
     p.add_argument("--hang-timeout", type=float, default=10.0, help="--timeout of the hang row's job; 0 skips the row (default %(default)s)")  # fmt: skip
     p.add_argument("--failures", type=int, default=3, help="failures per downtime row (in-process vs group restart: rank crash, node loss, hang); 0 skips them (default %(default)s)")  # fmt: skip
+    p.add_argument("--no-peers", action="store_true", help="skip the peers' rank-crash rows of the downtime table (torchft, NVRx's in-process Wrapper; they run when installed)")  # fmt: skip
     p.add_argument("--out", default="runs/bench-recovery", help="(default %(default)s)")
     p.add_argument("--results-dir", default="benchmarks/results", help="(default %(default)s)")
     p.add_argument("--no-results", action="store_true", help="do not write the results page")

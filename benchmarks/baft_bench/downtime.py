@@ -39,18 +39,39 @@ def _faults(kind: str, n: int) -> list[str]:
     return crashes + nodes
 
 
-def _job(a: Any, cfg_of: Any, name: str, kind: str, inprocess: bool) -> list[dict[str, Any]]:
+def _iterations(kind: str, failures: int) -> int:
+    return GAP * (len(_faults(kind, failures)) + 1) + 2
+
+
+def reference_digest(a: Any, cfg_of: Any, iterations: int) -> str:
+    """The final state digest of the same job without checkpoints or faults, run once per
+    length (``downtime-reference-<iterations>``)."""
+    out = Path(a.out) / f"downtime-reference-{iterations}"
+    summary = out / "summary.json"
+    if not summary.is_file() or json.loads(summary.read_text())["iterations"] != iterations:
+        cfg = cfg_of(a, out, [])
+        cfg.num_iterations = iterations
+        cfg.checkpoint = None
+        if launch(cfg, quiet=not a.verbose) != 0:
+            raise RuntimeError(f"the failure-free reference of {iterations} iterations failed; --verbose")  # fmt: skip
+    return str(json.loads(summary.read_text())["final_state_digest"])
+
+
+def _job(
+    a: Any, cfg_of: Any, name: str, kind: str, inprocess: bool
+) -> tuple[list[dict[str, Any]], str]:
     faults = _faults(kind, a.failures)
     out = Path(a.out) / f"downtime-{name}"
     cfg = cfg_of(a, out, faults)
-    cfg.num_iterations = GAP * (len(faults) + 1) + 2
+    cfg.num_iterations = _iterations(kind, a.failures)
     cfg.inprocess = inprocess
     cfg.max_restarts = len(faults) + 2
     if kind == "hang":
         cfg.checkpoint.timeouts.collective_s = a.hang_timeout
     if launch(cfg, quiet=not a.verbose) != 0:
         raise RuntimeError(f"the {name} job failed; rerun with --verbose")
-    recs = json.loads((out / "summary.json").read_text())["recoveries"]
+    summary = json.loads((out / "summary.json").read_text())
+    recs = summary["recoveries"]
     fired: dict[str, float] = {}
     for line in (out / "faults.jsonl").read_text().splitlines():
         f = json.loads(line)
@@ -62,7 +83,7 @@ def _job(a: Any, cfg_of: Any, name: str, kind: str, inprocess: bool) -> list[dic
     for r, (spec, t) in zip(recs, order, strict=True):
         r["fault"] = spec
         r["downtime_s"] = r["resumed_at"] - t
-    return recs
+    return recs, str(summary["final_state_digest"])
 
 
 def _of(recs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -96,16 +117,20 @@ def _row(scenario: str, mode: str, recs: list[dict[str, Any]]) -> dict[str, Any]
 
 def downtime_rows(a: Any, cfg_of: Any) -> list[dict[str, Any]]:
     """Rank crash, node loss and (``--hang-timeout`` > 0) hang rows, in-process and group
-    restart; ``cfg_of(a, out, inject)`` builds the recovery bench's job config."""
+    restart; ``cfg_of(a, out, inject)`` builds the recovery bench's job config. Each job's
+    final state is compared with the same job's without checkpoints or faults
+    (``final_bit_identical``; the crash and node rows share one job)."""
     rows: list[dict[str, Any]] = []
     for mode, inprocess in MODES.items():
         tag = mode.replace(" ", "-")
-        recs = _job(a, cfg_of, f"{tag}-crash-node", "crash", inprocess)
-        rows.append(_row("rank crash (SIGKILL)", mode, _of(recs, "kill")))
-        rows.append(_row("node loss (process + store)", mode, _of(recs, "node")))
+        recs, digest = _job(a, cfg_of, f"{tag}-crash-node", "crash", inprocess)
+        same = digest == reference_digest(a, cfg_of, _iterations("crash", a.failures))
+        rows.append({**_row("rank crash (SIGKILL)", mode, _of(recs, "kill")), "final_bit_identical": same})  # fmt: skip
+        rows.append({**_row("node loss (process + store)", mode, _of(recs, "node")), "final_bit_identical": same})  # fmt: skip
         if a.hang_timeout > 0:
-            recs = _job(a, cfg_of, f"{tag}-hang", "hang", inprocess)
-            rows.append(_row(f"rank hang (SIGSTOP, timeout {a.hang_timeout:g} s)", mode, recs))
+            recs, digest = _job(a, cfg_of, f"{tag}-hang", "hang", inprocess)
+            same = digest == reference_digest(a, cfg_of, _iterations("hang", a.failures))
+            rows.append({**_row(f"rank hang (SIGSTOP, timeout {a.hang_timeout:g} s)", mode, recs), "final_bit_identical": same})  # fmt: skip
     return rows
 
 
@@ -115,17 +140,20 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "Fault to the first completed iteration after it (median [min, max] over the "
         "failures); phases are medians over the same failures (rank 0's record: a phase "
-        "that rank 0 did not go through is missing or counted over fewer failures).",
+        "that rank 0 did not go through is missing or counted over fewer failures). "
+        "Final = failure-free: the job's final state (every rank's parameters, buffers and "
+        "optimizer state) against the same job's without checkpoints or faults.",
         "",
-        "| scenario | mode | n | downtime median (s) | [min, max] | restore (s) | lost iters | phases (median s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | mode | n | downtime median (s) | [min, max] | restore (s) | lost iters | final = failure-free | phases (median s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in r["phases_median_s"].items())
+        same = r.get("final_bit_identical")
         lines.append(
             f"| {r['scenario']} | {r['mode']} | {r['failures']} | {r['downtime_median_s']:.2f} | "
             f"[{r['downtime_min_s']:.2f}, {r['downtime_max_s']:.2f}] | {r['restore_median_s']:.3f} | "
-            f"{r['lost_iterations']} | {phases} |"
+            f"{r['lost_iterations']} | {'-' if same is None else 'bit-identical' if same else 'differs'} | {phases} |"
         )
     by = {(r["scenario"], r["mode"]): r for r in rows}
     lines.append("")

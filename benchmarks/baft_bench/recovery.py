@@ -11,6 +11,11 @@ restart):
 Each recovery's phases come from the runtime's own report. The restore phase is
 inventory + transfer/decode + load; lost iterations follow from the checkpoint interval
 of each approach (1 in memory, ``--persist-every`` on disk).
+With ``--failures`` > 0 the same run measures the downtime per failure of in-process
+recovery against the group restart (:mod:`baft_bench.downtime`, each job's final state
+compared with the failure-free job's) and, when the ``peers`` extra is installed, the
+same rank crash under torchft 0.2.0 and NVRx 0.4.1's in-process Wrapper on a
+data-parallel job of the same model (:mod:`baft_bench.peer_arms`; ``--no-peers`` skips).
 Disk restores read files that were just written, so the page cache is warm: the disk
 numbers are a best case for storage. The cold disk row runs its ranks through
 :mod:`baft_bench.cold_worker`, which evicts the checkpoint's files from the page cache
@@ -115,6 +120,10 @@ def run_recovery(a: Any) -> int:
         from baft_bench.downtime import downtime_rows
 
         result["downtime"] = downtime_rows(a, _cfg)
+        if not a.no_peers:
+            from baft_bench.peer_arms import peer_downtime_rows
+
+            result["peer_downtime"], result["peers_missing"] = peer_downtime_rows(a)
     if a.json:
         print(json.dumps(result))
     else:
@@ -172,6 +181,7 @@ def _markdown(result: dict[str, Any], a: Any) -> str:
         f"baft bench recovery --layers {a.layers} --d-model {a.d_model} "
         f"--iterations {a.iterations} --persist-every {a.persist_every} "
         f"--full-every {a.full_every} --hang-timeout {a.hang_timeout:g} --failures {a.failures}"
+        + (" --no-peers" if a.no_peers else "")
     )
     lines = [
         f"# Recovery: memory (baft) vs disk (DCP) — {dt.date.today().isoformat()}",
@@ -204,5 +214,9 @@ def _markdown(result: dict[str, Any], a: Any) -> str:
         from baft_bench.downtime import markdown
 
         lines += ["", *markdown(result["downtime"])]
+    if result.get("peer_downtime") or result.get("peers_missing"):
+        from baft_bench.peer_arms import markdown as peer_markdown
+
+        lines += ["", *peer_markdown(result.get("peer_downtime", []), result.get("downtime", []), result.get("peers_missing", []))]  # fmt: skip
     lines += ["", "Raw:", "```json", json.dumps(result, indent=1), "```", ""]
     return "\n".join(lines)
