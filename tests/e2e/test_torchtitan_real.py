@@ -72,7 +72,8 @@ def work() -> Iterator[Path]:
     three of those, and with them a running job's checkpoint folder."""
     root = Path(tempfile.mkdtemp(prefix="baft-titan-"))
     yield root
-    shutil.rmtree(root, ignore_errors=True)
+    if not os.environ.get("BAFT_TITAN_KEEP"):  # set: keep the runs' logs to look at
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
