@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import mmap
 import os
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +31,8 @@ from baft.store import progress
 from baft.store.manifest import FORMAT, Manifest, dumps
 from baft.store.paths import KINDS, PROGRESS_FILE
 from baft.store.slots import PAGE, SlotFiles
+
+log = logging.getLogger("baft")
 
 T = TypeVar("T")
 COMMIT_FILE = "commit.json"
@@ -73,10 +77,8 @@ class VersionLog:
             # A shared lock held while this process has the store allocated: the kernel
             # drops it when the process dies, so ``baft.store.reclaim`` can tell a live
             # job's store from an abandoned one without a registry.
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            self._lock_fd, fd = fd, -1
-        except BlockingIOError:
-            pass  # someone is reclaiming it right now; the store works without the lock
+            if _lock_shared(fd):
+                self._lock_fd, fd = fd, -1
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -256,3 +258,18 @@ def _load_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{path}: not a baft record of format {FORMAT}")
     return obj
+
+
+def _lock_shared(fd: int, attempts: int = 1000) -> bool:
+    """Take the shared liveness lock, waiting out a liveness probe (``baft inspect``,
+    ``reclaim``: they hold the exclusive lock for microseconds; giving up at once would
+    leave a live store unlocked, so that a later ``--free`` could delete it). False only
+    if the lock stays taken for about a second: someone is removing the store."""
+    for _ in range(attempts):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.001)
+    log.warning("store lock %s stays taken: someone is removing this store", fd)
+    return False

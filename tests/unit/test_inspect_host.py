@@ -261,3 +261,27 @@ def test_why_kept_is_the_one_predicate() -> None:
     idle = reclaim.JobStores("j", Path("/x/j"), 2, 8192, last_write=1000.0, held=False)
     assert reclaim.why_kept(idle, 3600, now=1000.0 + 3600) is None
     assert reclaim.why_kept(idle, 3600, now=1000.0 + 3599) == ("written 3599 s ago (< idle 3600 s)")
+
+
+def test_a_store_opened_during_a_liveness_probe_still_takes_its_lock(tmp_path: Path) -> None:
+    """The probe holds the exclusive lock for a moment; a rank allocating its store then
+    waits it out instead of running unlocked (a later --free would delete a live store)."""
+    import fcntl
+    import threading
+
+    from baft.store.paths import PROGRESS_FILE
+    from baft.store.reclaim import _locked
+    from baft.store.shm import SnapshotStore
+
+    store = SnapshotStore(tmp_path, "job", 0, 0, 1 << 30)
+    store.allocate(4096, 0)
+    store.close()
+    path = store.path / PROGRESS_FILE
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a probe in progress
+    threading.Timer(0.05, lambda: os.close(fd)).start()  # ... that ends 50 ms later
+    again = SnapshotStore(tmp_path, "job", 0, 0, 1 << 30)
+    again.allocate(4096, 0)
+    assert _locked(path)  # the reopened store holds its lock
+    again.close()
+    assert not _locked(path)
