@@ -67,7 +67,6 @@ from baft.pipeline.layout import (
 from baft.pipeline.mesh import Mesh, mesh_from_user, mesh_view, pick_device
 from baft.pipeline.state import DEFAULT_EXTRA_CAPACITY, Stateful, check_optimizer
 from baft.pipeline.step import NOT_RESTORED, Phase, StepResult, StepRunner
-from baft.plan.names import is_extra
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
@@ -273,26 +272,7 @@ class Protected:
         # the restored state itself; on a fresh job: whatever the script set up).
         self.runner.state.check_live()  # e.g. optimizer.load_state_dict after protect()
         self.runner.state.capture()
-        if self.mesh.topology.num_dp > 1:
-            self._check_replicas_share_small_state()
         return resume
-
-    def _check_replicas_share_small_state(self) -> None:
-        """Warn when DP replicas of a stage hold different small state (RNG, ``state=``
-        objects): the replicas share one copy of it in a checkpoint (each holds a share
-        of the stage's bytes), so a restore would give all of them the same one.
-        Collective over the dp group, once."""
-        mine = {n: d for n, d in self.runner.state.digests().items() if is_extra(n)}
-        gathered: list[Any] = [None] * dist.get_world_size(self.mesh.dp_group)
-        dist.all_gather_object(gathered, mine, group=self.mesh.dp_group)
-        differ = sorted({n for g in gathered for n in mine if g.get(n) != mine[n]})
-        if differ and self.mesh.coords.dp == 0:  # one line per stage
-            log.warning(
-                "DP replicas of pp%d.tp%d hold different %s: a checkpoint keeps one copy "
-                "per stage, so after a restore every replica continues with the same one; "
-                "seed the RNG and build the state= objects identically on every DP replica",
-                self.mesh.coords.pp, self.mesh.coords.tp, ", ".join(differ),
-            )  # fmt: skip
 
     def step(
         self, iteration: int, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None

@@ -110,9 +110,16 @@ def _protect(
     import baft
 
     # the jobs here continue a finished loop from memory: keep the stores at close()
-    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(
+    ck = baft.CheckpointConfig(
+        policy=baft.CheckpointPolicy(
             redundancy="replicate:1", persist_every=persist_every, full_every=full_every
-        ), profile_iters=1, cost={"copy_Bps": 1e9}, store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="restore-test", keep_on_close=keep_stores))
+        ),
+        profile_iters=1,
+        cost={"copy_Bps": 1e9},
+        store=baft.StoreConfig(
+            root=str(Path(root) / "shm"), job_id="restore-test", keep_on_close=keep_stores
+        ),
+    )
     return baft.protect(
         schedule=s["schedule"],
         stages=[s["stage"]],
@@ -257,9 +264,12 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
         stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).square().mean()
     )
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
+
     def memory_only(job: str) -> baft.CheckpointConfig:  # no parity, no DCP: cheap
         policy = baft.CheckpointPolicy(redundancy="none", persist_every=0)
-        return baft.CheckpointConfig(policy=policy, store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id=job))
+        return baft.CheckpointConfig(
+            policy=policy, store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id=job)
+        )
 
     ft = baft.protect(
         schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp-avg"),
@@ -299,7 +309,10 @@ def _dp_job(rank: int, world: int, root: str) -> dict[str, Any]:
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     logging.getLogger("baft").addHandler(handler)
-    ck = baft.CheckpointConfig(policy=baft.CheckpointPolicy(redundancy="none", persist_every=0), store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="dp-test"))
+    ck = baft.CheckpointConfig(
+        policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
+        store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="dp-test"),
+    )
     ft = baft.protect(
         schedule=schedule, stages=[stage], optimizer=opt, run_dir=str(Path(root) / "dp"),
         device_mesh=mesh, ranks_per_node=1, checkpoint=ck, average_gradients=True,
@@ -324,10 +337,8 @@ def test_dp_replicas_must_average_gradients(gloo, tmp_path: Path) -> None:
         assert out["untouched"] is True
     assert got[0]["weight"] == got[1]["weight"]  # averaged: the replicas stay identical
     assert got[0]["auto_moved"] is True
-    # one line per stage, from its dp-rank 0
-    (warning,) = got[0]["warnings"]
-    assert warning.startswith("DP replicas of pp0.tp0 hold different extra.rng.cpu: "), warning
-    assert got[1]["warnings"] == []
+    # replicas seeded differently keep their own RNG (per-replica records): no warning
+    assert got[0]["warnings"] == [] and got[1]["warnings"] == []
     assert got[0]["auto_weight"] == got[1]["auto_weight"]
 
 
