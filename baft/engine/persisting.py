@@ -19,6 +19,7 @@ is written by one rank. :class:`Persisting` owns the cadence (one rule for all t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState, typed_view
+from baft.engine.priority import raised
 from baft.pipeline.state import decode_record
 from baft.plan import names
 from baft.store.disk import Persister, SaveHandle
@@ -265,7 +267,9 @@ class Persisting:
         if self.persister is None:
             return
         state = self._writes({self.keys(n): t for n, t in self._share()})
-        flush(self.persister, version, state, self.meta(version), timeout_s, str(where))
+        self.persister.background = False  # about to exit: nothing to yield the core to
+        with self._boosted():
+            flush(self.persister, version, state, self.meta(version), timeout_s, str(where))
 
     def meta(self, version: int) -> dict[str, Any]:
         """What a DCP checkpoint of ``version`` records in its ``baft_meta.json``."""
@@ -278,10 +282,18 @@ class Persisting:
         }
 
     def join(self) -> None:
-        """Wait for the DCP save in flight, if any."""
+        """Wait for the DCP save in flight, if any (its writer at normal priority
+        meanwhile: waiting on an idle-priority thread is a priority inversion)."""
         if self._inflight is not None:
-            self._inflight[1].wait()
+            with self._boosted():
+                self._inflight[1].wait()
             self._inflight = None
+
+    def _boosted(self) -> contextlib.AbstractContextManager[None]:
+        p = self.persister
+        if p is None or p.native_id is None:
+            return contextlib.nullcontext()
+        return raised(p.native_id, p.lowered)
 
     def reading_other_than(self, committed: int | None) -> bool:
         """A save is still reading a slot that is not the committed one (the slot about

@@ -163,6 +163,7 @@ class Persister:
         rank: int,
         timeout_s: float = 300.0,
         release_group: Callable[[ProcessGroup], None] | None = None,
+        on_thread_start: Callable[[], bool] | None = None,
     ) -> None:
         if keep_latest < 1:
             raise ValueError(
@@ -188,6 +189,14 @@ class Persister:
             # A group made without a timeout waits torch's default (30 min on gloo) in
             # its collectives; a frozen peer must fail a save within ``timeout_s``.
             _set_pg_timeout(timedelta(seconds=timeout_s), process_group)
+        self._on_thread_start = on_thread_start
+        """Called first on the writer thread (the engine lowers its priority there);
+        returns whether it did, see :attr:`lowered`."""
+        self.lowered = False
+        """Whether the writer thread runs at a lowered priority (a waiter raises it)."""
+        self.background = True
+        """False: a writer thread started from now on keeps normal priority (a flush
+        before exit has no training to yield to)."""
         self._jobs: queue.Queue[_Job | object] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._last_version: int | None = None
@@ -280,7 +289,14 @@ class Persister:
                 f"metadata must be JSON-able (str/int/float/bool/list/dict): {e}"
             ) from e
 
+    @property
+    def native_id(self) -> int | None:
+        """The writer thread's OS id (None before the first save)."""
+        return self._thread.native_id if self._thread is not None else None
+
     def _run(self) -> None:
+        if self._on_thread_start is not None and self.background:
+            self.lowered = self._on_thread_start()
         while True:
             job = self._jobs.get()
             if job is _STOP:
