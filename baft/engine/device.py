@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -48,8 +49,21 @@ def copy_hash(pairs: Sequence[Pair]) -> int:
     concatenated in order (for a chunk: the same digest as hashing the chunk afterwards)."""
     h = xxhash.xxh3_64()
     for dst, src in pairs:
-        copy_hashing(h, dst.numel(), functools.partial(_copy_block, dst, src))
+        if all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in (dst, src)):
+            # numpy views: a block's slicing and copy cost ~1 us of Python under the GIL
+            # instead of torch's ~20 (68 MiB in 512 KiB blocks: 21-30 ms vs 39-373 ms
+            # here, the rest of each block's copy runs without the GIL either way)
+            block = functools.partial(_copy_block_np, dst.numpy(), src.numpy())
+        else:
+            block = functools.partial(_copy_block, dst, src)
+        copy_hashing(h, dst.numel(), block)
     return h.intdigest()
+
+
+def _copy_block_np(dst: np.ndarray, src: np.ndarray, lo: int, hi: int) -> memoryview:
+    d = dst[lo:hi]
+    np.copyto(d, src[lo:hi])
+    return d.data
 
 
 def _copy_block(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> memoryview:
