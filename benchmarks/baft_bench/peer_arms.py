@@ -6,9 +6,11 @@
 Per arm: one job with ``--failures`` SIGKILLs from outside and one failure-free job of the
 same length; the rows (:mod:`baft_bench.peer_downtime`) carry the downtime as baft's rows
 define it, when the job was back at full strength, the work done again, the batches the
-job never trained on, and the final state against the failure-free job's. torchft's DDP
-wrapper arm takes one kill: its survivor dies with the victim (see
-:mod:`baft_bench.torchft_recovery`), so each kill starts the job over.
+job never trained on, and the final state against the failure-free job's. torchft runs
+three ways: survivors go on alone (``min_replica_size=1``, its examples' setting), wait
+for the replacement (``min_replica_size=2``), and through its DDP wrapper, which takes
+one kill: its survivor dies with the victim (see :mod:`baft_bench.torchft_recovery`), so
+the kill starts the job over.
 """
 
 from __future__ import annotations
@@ -114,9 +116,15 @@ def peer_downtime_rows(a: Any) -> tuple[list[dict[str, Any]], list[str]]:
         from baft_bench import torchft_recovery as tf
 
         cfg = {"lighthouse": {**tf.LIGHTHOUSE, "heartbeat_timeout_ms": 5000}, "pg": "ProcessGroupGloo", "transport": "PGTransport"}  # fmt: skip
-        for sync, label, kills in (("manager", "Manager.allreduce", n), ("ddp", "its DistributedDataParallel", 1)):  # fmt: skip
-            run = _bind(tf.run_job, grad_sync=sync)
-            rows.append(_arm(a, f"torchft-{sync}", f"torchft {ft} ({label})", run, kills, {**cfg, "grad_sync": sync}))  # fmt: skip
+        arms = (
+            ("manager", 1, "Manager.allreduce", n),
+            ("manager", 2, "Manager.allreduce, min_replica_size=2", n),
+            ("ddp", 1, "its DistributedDataParallel", 1),
+        )
+        for sync, least, label, kills in arms:
+            run = _bind(tf.run_job, grad_sync=sync, min_replicas=least)
+            name = f"torchft-{sync}" + ("" if least == 1 else f"-min{least}")
+            rows.append(_arm(a, name, f"torchft {ft} ({label})", run, kills, {**cfg, "grad_sync": sync, "min_replica_size": least}))  # fmt: skip
     nv = installed("nvidia-resiliency-ext", "nvidia_resiliency_ext")
     if nv is None:
         missing.append("NVRx: not installed (`pip install -e 'benchmarks[peers]'`)")

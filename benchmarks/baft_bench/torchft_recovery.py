@@ -30,6 +30,11 @@ the lighthouse has a new quorum, which waits for the dead replica's heartbeat to
 (no quorum with half of the heartbeating replicas or fewer). A failure-free job of the
 same length gives the final state the faulted job's is compared with.
 
+With ``min_replicas=2`` (``Manager(min_replica_size=2)``) a survivor alone does not
+commit (``should_commit`` needs that many participants): it tries the same step again
+until the new worker has healed, so no replica's rows are dropped and the job stands
+still instead.
+
 Worker: ``python -m baft_bench.torchft_recovery CONFIG_JSON`` under torchrun.
 """
 
@@ -97,7 +102,7 @@ def _worker(c: dict[str, Any], t_start: float) -> None:
     pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(
         pg=pg,
-        min_replica_size=1,
+        min_replica_size=c["min_replicas"],
         load_state_dict=lambda sd: load_state_dict(module, opt, sd),
         state_dict=lambda: state_dict(module, opt),
         replica_id=f"baft_bench_{replica}",
@@ -118,11 +123,12 @@ def _worker(c: dict[str, Any], t_start: float) -> None:
         forward_backward(model, *replica_batch(data, step, replica))
         if c["grad_sync"] == "manager":
             _allreduce_grads(manager, params)
+        manager.wait_quorum()  # done by now: a heal has set the step it healed to
+        step = manager.current_step()
         optim.step()  # torchft: should_commit, then the optimizer step if committed
         committed = manager.current_step() > step
         emit(out / ATTEMPTS, {
-            "pid": os.getpid(), "replica": replica,
-            "step": manager.current_step() - 1 if committed else step,  # a heal jumps ahead
+            "pid": os.getpid(), "replica": replica, "step": step,
             "t0": t0, "t1": time.time(), "committed": committed,
             "participants": manager.num_participants(), "participating": manager.is_participating(),
         })  # fmt: skip
@@ -182,7 +188,8 @@ def _env(replica: int, lighthouse: str) -> dict[str, str]:
 
 def run_job(
     out: Path, *, layers: int, d_model: int, steps: int, kills: int, gap: int, seed: int,
-    grad_sync: str = "manager", timeout_s: float = 60.0, deadline_s: float = 1800.0,
+    grad_sync: str = "manager", min_replicas: int = 1, timeout_s: float = 60.0,
+    deadline_s: float = 1800.0,
 ) -> dict[str, Any]:  # fmt: skip
     """One torchft job (its lighthouse, two torchruns) with ``kills`` SIGKILLs from
     outside; returns the kills, the workers' records and both replicas' final digests.
@@ -197,7 +204,7 @@ def run_job(
     lh += [f"--{k}={v}" for k, v in LIGHTHOUSE.items()]
     config = {
         "out": str(out), "layers": layers, "d_model": d_model, "steps": steps,
-        "timeout_s": timeout_s, "lighthouse": address, "grad_sync": grad_sync,
+        "timeout_s": timeout_s, "lighthouse": address, "grad_sync": grad_sync, "min_replicas": min_replicas,
     }  # fmt: skip
     path = out / "torchft-recovery.json"
     path.write_text(json.dumps(config) + "\n")
