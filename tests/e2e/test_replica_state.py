@@ -1,12 +1,14 @@
-"""DP replicas keep their own small state through a kill -9 and through a power loss.
+"""DP replicas keep their own small state through a kill -9, a lost node and a power loss.
 
 ``tests/e2e/replica_state_script.py`` gives every data-parallel replica its own loader
 position, counter and RNG stream (the model and optimizer stay replicas). Under torchrun
-(group restart) a worker is SIGKILLed from outside mid-run; after baft restores it from
-memory, every rank ends bit-identical to the same loop without baft: its own loader,
+(group restart) a worker is SIGKILLed from outside mid-run, or replica 1's whole node
+(its processes and its store: its own records among them, wherever the split put them);
+after baft restores it from memory (the lost node's shards from the redundancy on the
+other), every rank ends bit-identical to the same loop without baft: its own loader,
 counter and RNG, not another replica's. The plain ``dp=2`` job (2 ranks, full
-snapshots) and an FSDP2 HSDP job (``dp_replicate=2 x dp_shard=2``, 4 ranks, differential
-versions with ``full_every=2``) from memory; the plain job once more after a power loss
+snapshots, killed) and an FSDP2 HSDP job (``dp_replicate=2 x dp_shard=2``, 4 ranks,
+differential versions with ``full_every=2``; killed, and its node 1 lost) from memory; the plain job once more after a power loss
 (every process killed, the stores wiped, the same command launched again), from its DCP
 checkpoint. The fault lands at a random moment after 6 iterations (``BAFT_RS_SEED``
 replays one).
@@ -35,6 +37,7 @@ from tests.e2e.jobs import (
     REPO,
     iterations_done,
     kill_agent,
+    rank_pids,
     read_jsonl,
     signal_all,
     torchrun,
@@ -53,7 +56,7 @@ def _command(out: Path, world: int, args: list[str], store: Path | None) -> list
     cmd += [str(SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}", *args]
     if store is None:
         return [*cmd, "--unprotected", "--sleep=0"]
-    return [*cmd, f"--store-root={store}", f"--ranks-per-node={max(1, world // 2)}"]
+    return [*cmd, f"--store-root={store}", "--job-id=rs", f"--ranks-per-node={max(1, world // 2)}"]
 
 
 def _states(out: Path, world: int) -> list[dict]:
@@ -90,6 +93,12 @@ def _case(tmp: Path, world: int, args: list[str], fault: str) -> tuple[list[dict
             time.sleep(RNG.uniform(0.0, 0.3))  # a random moment of the iteration
             if fault == "kill":
                 signal_all([worker_pids(agent)[world - 1]], signal.SIGKILL)
+            elif fault == "node":  # node 1 (replica 1): its processes and its memory
+                ranks = range(world // 2, world)
+                pids = [p for r, ps in rank_pids(agent).items() if r in ranks for p in ps]
+                signal_all(pids, signal.SIGSTOP)
+                shutil.rmtree(store / "rs" / "node1")
+                signal_all(pids, signal.SIGKILL)
             else:  # power loss: every process and the host memory
                 kill_agent(agent)
                 shutil.rmtree(store)
@@ -108,15 +117,18 @@ def _case(tmp: Path, world: int, args: list[str], fault: str) -> tuple[list[dict
     return expected, [*_states(run, world), *recs]
 
 
+HSDP = ["--dp-replicate=2", "--dp-shard=2", "--full-every=2"]
+
+
 @pytest.mark.parametrize(
-    ("world", "args"),
-    [(2, ["--dp-replicate=2"]), (4, ["--dp-replicate=2", "--dp-shard=2", "--full-every=2"])],
-    ids=["dp2", "hsdp2x2"],
+    ("world", "args", "fault"),
+    [(2, ["--dp-replicate=2"], "kill"), (4, HSDP, "kill"), (4, HSDP, "node")],
+    ids=["dp2-kill", "hsdp2x2-kill", "hsdp2x2-node"],
 )
-def test_replicas_keep_their_state_through_a_kill(
-    tmp_path: Path, world: int, args: list[str]
+def test_replicas_keep_their_state_through_a_kill_or_a_lost_node(
+    tmp_path: Path, world: int, args: list[str], fault: str
 ) -> None:
-    expected, got = _case(tmp_path, world, args, "kill")
+    expected, got = _case(tmp_path, world, args, fault)
     states, recs = got[:world], got[world:]
     assert [r["source"] for r in recs] == ["memory"], (f"BAFT_RS_SEED={SEED}", recs)
     for r in range(world):  # each rank its own loader, counter, RNG, and the same model
