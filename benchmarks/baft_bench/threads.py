@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 GROUPS = ("main", "baft", "other")
 """Thread groups: the training thread, baft's helper threads (``baft-*``), the rest."""
-FIELDS = ("main_cpu_s", "main_runq_s", "baft_cpu_s", "baft_runq_s", "other_cpu_s")
+FIELDS = ("main_cpu_s", "main_runq_s", "baft_cpu_s", "baft_runq_s", "other_cpu_s", "main_sys_s")
 """Per-iteration seconds this module adds to the bench's fields."""
 
 
@@ -72,7 +72,7 @@ def deltas(
 ) -> dict[str, float]:
     """Seconds per :data:`FIELDS` between two samples (pure). A thread born in between
     counts from zero; one that ended in between is lost (its last interval unseen)."""
-    acc = dict.fromkeys(FIELDS, 0.0)
+    acc = dict.fromkeys(FIELDS, 0.0)  # main_sys_s: set by ThreadClock
     for tid, t in after.items():
         b = before.get(tid, ThreadTimes(0.0, 0.0))
         g = group_of(tid, main_tid, names)
@@ -88,11 +88,32 @@ class ThreadClock:
     def __init__(self) -> None:
         self.main_tid = threading.main_thread().native_id or os.getpid()
         self._before: dict[int, ThreadTimes] = {}
+        self._sys0 = 0.0
 
     def start(self) -> None:
         self._before = sample()
+        self._sys0 = system_seconds(self.main_tid)
 
     def stop(self) -> list[float]:
         """The :data:`FIELDS` values since :meth:`start`, in order."""
         d = deltas(self._before, sample(), self.main_tid, python_thread_names())
+        d["main_sys_s"] = system_seconds(self.main_tid) - self._sys0
         return [d[f] for f in FIELDS]
+
+
+def parse_stime(stat: str) -> float:
+    """Kernel-mode seconds of a thread from its ``stat`` line (pure): field 15, in clock
+    ticks (the command name, field 2, may hold spaces: split after its ')')."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
+def system_seconds(tid: int) -> float:
+    """Kernel-mode CPU seconds of thread ``tid`` of this process (system calls, and
+    interrupts or softirqs the kernel charged to it: on loopback TCP, the receiving
+    side's network stack), at clock-tick resolution (10 ms: read over many iterations)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return parse_stime(f.read())
+    except OSError:
+        return 0.0

@@ -27,6 +27,7 @@ def test_deltas_group_main_baft_and_other_threads() -> None:
         "baft_cpu_s": 1.0,
         "baft_runq_s": 0.125,
         "other_cpu_s": 0.0625,
+        "main_sys_s": 0.0,
     }
 
 
@@ -73,3 +74,13 @@ def test_attribution_parts_add_up_to_the_overhead_per_rank() -> None:
     assert round(r0["baft_threads"], 6) == 30.0
     table = markdown(result, ["baft"])
     assert "| baft | 0 | +16.0 | +5.0 | +2.0 | +6.0 | +0.0 | +3.0 | +30.0 | +0.0 | 81% |" in table
+
+
+def test_stime_is_field_15_after_the_command_name() -> None:
+    import os
+
+    from baft_bench.threads import parse_stime
+
+    tick = os.sysconf("SC_CLK_TCK")
+    line = "123 (python (x) y) S 1 2 3 4 5 6 7 8 9 10 " + f"{3 * tick} {2 * tick} 0 0\n"
+    assert parse_stime(line) == 2.0
