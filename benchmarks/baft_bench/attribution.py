@@ -24,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 PARTS = ("main_cpu", "main_runq", "exposed_wait", "pipeline_wait", "residual")
+DETAIL = ("main_sys",)
+"""Inside ``main_cpu``: its kernel-mode share (system calls, softirqs charged to it)."""
 BESIDE = ("baft_threads", "other_threads")
 
 
@@ -50,6 +52,7 @@ def attribute(result: dict[str, Any], mode: str, ref: str = "none") -> list[dict
                 "rank": float(r),
                 "overhead": total,
                 **parts,
+                "main_sys": d("main_sys_s", r) if "main_sys_s" in a else 0.0,
                 "baft_threads": d("baft_cpu_s", r),
                 "other_threads": d("other_cpu_s", r),
                 "measured_share": (total - parts["residual"]) / total if total else 1.0,
@@ -60,12 +63,12 @@ def attribute(result: dict[str, Any], mode: str, ref: str = "none") -> list[dict
 
 def markdown(result: dict[str, Any], modes: list[str], ref: str = "none") -> str:
     """One table row per (mode, rank): ms per iteration over ``ref``."""
-    head = ["mode", "rank", "overhead", *PARTS, *BESIDE, "measured share"]
+    head = ["mode", "rank", "overhead", *PARTS, *DETAIL, *BESIDE, "measured share"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in modes:
         for row in attribute(result, m, ref):
             cells = [m, str(int(row["rank"]))]
-            cells += [f"{row[k]:+.1f}" for k in ("overhead", *PARTS, *BESIDE)]
+            cells += [f"{row[k]:+.1f}" for k in ("overhead", *PARTS, *DETAIL, *BESIDE)]
             cells.append(f"{row['measured_share']:.0%}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from baft_bench.aggregate import COMPONENTS, HEADLINE, pool_launches, summarize
+from baft_bench.attribution import markdown
 from baft_bench.overhead import (
     ALLOCATOR_ENV,
     ENGINE_MODES,
@@ -187,6 +188,7 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
     lines += _noise_lines(result)
     lines += _extra_lines(result)
     lines += _component_lines(result)
+    lines += _attribution_lines(result)
     for name, why in result.get("skipped", {}).items():
         lines.append(f"- skipped `{name}`: {why}")
     lines += _protection_lines(list(result["modes"]))
@@ -361,6 +363,27 @@ def _component_lines(result: dict[str, Any]) -> list[str]:
         + " | pulled MiB | network MiB | page faults (k) |",
         "|---|---|---|---|" + "---|" * len(COMPONENTS) + "---|---|---|",
         *rows,
+        "",
+    ]
+
+
+def _attribution_lines(result: dict[str, Any]) -> list[str]:
+    """Where each mode's overhead goes on each rank (:mod:`baft_bench.attribution`)."""
+    modes = [
+        m for m, v in result["modes"].items()
+        if m != "none" and "main_cpu_s" in (v.get("per_rank_mean") or {})
+    ]  # fmt: skip
+    if "none" not in result["modes"] or not modes:
+        return []
+    return [
+        "Attribution (means, ms per iteration over `none`): the training thread's own CPU "
+        "(`main_cpu`, of it in the kernel `main_sys`, e.g. loopback TCP charged to it), its "
+        "run-queue delay, its waits for checkpoint work at the step, its extra pipeline "
+        "waits, the residual (GIL waits, overrun sleeps); beside them the CPU of baft's "
+        "threads and of the others (gloo, torch). A neighbour's slowdown shows on a rank as "
+        "pipeline wait, so read `pipeline_wait + residual` together across ranks.",
+        "",
+        markdown(result, modes),
         "",
     ]
 
