@@ -70,6 +70,22 @@ class PersistConfig:
     """On SIGTERM (preemption, the job being stopped) persist the newest state to ``dir``
     as a DCP checkpoint at the next agreed commit, then exit; the next launch resumes
     from it."""
+    writer: str = "thread"
+    """Who runs ``dcp.save`` for the periodic saves: "thread" (a background thread of the
+    training process) or "process" (one writer process per rank, started at idle CPU
+    priority when the engine is built, reading the committed snapshot straight from
+    shared memory, so DCP's planning, pickling and writing run off the training process's
+    GIL). A SIGTERM flush always writes from the training process."""
+
+    def __post_init__(self) -> None:
+        if self.writer not in WRITERS:
+            raise ValueError(
+                f"persist writer must be one of {', '.join(WRITERS)}, got {self.writer!r}"
+            )
+
+
+WRITERS = ("thread", "process")
+"""The values of :attr:`PersistConfig.writer`."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,7 +24,7 @@ from baft.engine import admission
 from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
-from baft.engine.priority import lower_thread_priority
+from baft.engine.priority import background_priority, lower_thread_priority
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import GlooTransport, Transport, destroy_group
 from baft.engine.worker import ProtectWorker
@@ -35,6 +35,7 @@ from baft.pipeline.replicas import ReplicaRecords, replicated_digest
 from baft.pipeline.step import StepRunner
 from baft.plan import names
 from baft.store.disk import Persister, PersistKeys, choose_persist_keys
+from baft.store.disk_process import ProcessPersister, agree_prefix
 from baft.store.paths import host_id
 from baft.store.policy import Redundancy
 from baft.store.shm import SnapshotStore
@@ -238,18 +239,25 @@ def build_engine(
     policy = ck.policy
     state = RunnerState(runner, transport)
     ck = budget_stores(ck, transport, mesh, state, store)
-    persister = None
+    persister: Persister | None = None
     if persist and ck.persist.dir and (policy.persist_every or ck.persist.flush_on_sigterm):
-        persister = Persister(
-            ck.persist.dir,
+        group = dist.new_group(backend="gloo")
+        common: dict[str, Any] = dict(
             keep_latest=policy.keep_latest,
-            process_group=dist.new_group(backend="gloo"),
+            process_group=group,
             release_group=destroy_group,
             rank=mesh.rank,
             timeout_s=ck.timeouts.collective_s * 10,
             # the DCP writer yields the core to training (waiters raise it: Persisting)
             on_thread_start=lower_thread_priority,
         )
+        if ck.persist.writer == "process":  # periodic saves in a writer process
+            persister = ProcessPersister(
+                ck.persist.dir, prefix=agree_prefix(group), buffer_dir=store.path,
+                idle=background_priority() != "normal", **common,
+            )  # fmt: skip
+        else:
+            persister = Persister(ck.persist.dir, **common)
     parts = EngineParts(
         store=store,
         transport=transport,

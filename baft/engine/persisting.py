@@ -30,9 +30,11 @@ import torch
 from baft.engine.device import DeviceCopy
 from baft.engine.flat import FlatState, typed_view
 from baft.engine.priority import raised
+from baft.liveness import generation
 from baft.pipeline.state import decode_record
 from baft.plan import names
 from baft.store.disk import Persister, SaveHandle
+from baft.store.disk_process import ProcessPersister
 from baft.store.keys import KEYS_META, PersistKeys, persist_name
 from baft.topology import Topology
 
@@ -97,10 +99,18 @@ def slot_views(
 class LiveCopy:
     """A background copy of live tensors into one reused host buffer (pinned on CUDA)."""
 
-    def __init__(self, device: torch.device, key: Callable[[str], str] = persist_name) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        key: Callable[[str], str] = persist_name,
+        alloc: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         self.device = device
         self.key = key
         """DCP key of a flat-state name."""
+        self.alloc = alloc
+        """Makes the buffer (bytes -> uint8 tensor): a shared file a writer process maps
+        (:meth:`ProcessPersister.host_buffer`); None: torch's (pinned on CUDA)."""
         self._buf: torch.Tensor | None = None
         self.version: int | None = None
         self._layout: list[tuple[str, int, int, torch.dtype, torch.Size]] = []
@@ -111,10 +121,12 @@ class LiveCopy:
         """Start copying ``named`` (done by the copier's next ``synchronize``)."""
         flat = FlatState(named)
         if self._buf is None or self._buf.numel() != flat.nbytes:
-            # torch's own pinned allocator: freed (and unregistered) with the tensor
-            self._buf = torch.empty(
-                flat.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
-            )
+            if self.alloc is not None:
+                self._buf = self.alloc(flat.nbytes)
+            else:  # torch's own pinned allocator: freed (and unregistered) with the tensor
+                self._buf = torch.empty(
+                    flat.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+                )
         buf = self._buf
         copier.start(flat.pairs(flat.pieces(0, flat.nbytes), buf))
         # typed only in take(): a misaligned tensor is read through a copy, which must
@@ -191,7 +203,7 @@ class Persisting:
         self.flat = flat
         self.layout_digests = layout_digests
         self._fire = fire
-        self._copy = LiveCopy(device, keys)
+        self._copy = LiveCopy(device, keys, getattr(persister, "host_buffer", None))
         self._inflight: tuple[int, SaveHandle] | None = None
         self.sharded = frozenset(sharded)
         """DCP keys of DTensor pieces (every shard rank writes its own)."""
@@ -291,6 +303,8 @@ class Persisting:
 
     def _boosted(self) -> contextlib.AbstractContextManager[None]:
         p = self.persister
+        if isinstance(p, ProcessPersister):
+            return p.boosted()
         if p is None or p.native_id is None:
             return contextlib.nullcontext()
         return raised(p.native_id, p.lowered)
@@ -301,6 +315,14 @@ class Persisting:
         return self._inflight is not None and self._inflight[0] != committed
 
     def shutdown(self) -> None:
+        """Finish the save in flight and stop the persister; while an in-process recovery
+        abandons this generation, a writer process is killed instead (no collective, no
+        wait: its peers' writers die with theirs or fail on their group)."""
+        link = generation.current()
+        if isinstance(self.persister, ProcessPersister) and link and link.pending():
+            self._inflight = None
+            self.persister.abort()
+            return
         self.join()
         if self.persister is not None:
             self.persister.shutdown()
