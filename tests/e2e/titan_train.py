@@ -30,7 +30,10 @@ What this script changes, each because torchtitan 0.3.0 does not run otherwise h
   gradient divide factor 1.0 reduce-scatters with ``PREMUL_SUM``, which gloo lacks: sum
   reductions instead (``set_force_sum_reduction_for_comms``, the same values).
 
-At the end every rank writes ``<out>/state.rank<R>.json``: sha256 of each local shard of
+After each step every rank with baft writes ``<out>/restorable/rank<R>``: the newest
+version baft committed that a restore from memory can rebuild (-1: none yet), for the
+test to kill only once there is one. At the end every rank writes
+``<out>/state.rank<R>.json``: sha256 of each local shard of
 its model parts, of the optimizer state, the LR schedulers, the data loader's state and
 the RNG, the trainer's step, each step's loss and gradient norm this process ran, its pid.
 """
@@ -254,6 +257,31 @@ def final_state(trainer: Any, ran: dict[int, list[float]]) -> dict[str, Any]:
     return out
 
 
+def restorable_version(manager: Any) -> int:
+    """The newest version baft committed that a restore from memory can rebuild, as this
+    rank's engine knows it; -1: none yet. A differential version (``full_every=k > 1``)
+    is rebuildable once its rotation is a whole window of ``k`` payloads old
+    (``first_version + k - 1``, ``baft.plan.rotation.rebuildable``); a restore before that
+    starts over from step 0 by design (``baft.recover.startover``)."""
+    from baft.plan.rotation import rebuildable
+
+    engine = getattr(getattr(manager, "ft", None), "engine", None)
+    if engine is None or engine.committed is None or engine.rotation.first_version is None:
+        return -1
+    v = engine.committed
+    return v if rebuildable(v, engine.k, engine.rotation.first_version) else -1
+
+
+def write_restorable(out: Path, rank: int, version: int) -> None:
+    """``<out>/restorable/rank<R>`` = :func:`restorable_version` (atomic), for the test
+    that kills a rank only once a version is rebuildable from memory."""
+    d = out / "restorable"
+    d.mkdir(exist_ok=True)
+    tmp = d / f".rank{rank}.tmp"
+    tmp.write_text(str(version))
+    tmp.replace(d / f"rank{rank}")
+
+
 def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -286,6 +314,9 @@ def main() -> None:
     cpu = _get_available_device_type() is None
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_CACHE", str(Path(a.out) / "hf_cache"))
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # as torchtitan's entry point (train.py): INFO to stdout, baft's lines too
     torch_compat()
     if cpu:
         cpu_compat()
@@ -294,17 +325,18 @@ def main() -> None:
     trainer = Trainer(trainer_config(a, cpu))
     ran: dict[int, list[float]] = {}
     log = trainer.metrics_processor.log
+    out, rank = Path(a.out), torch.distributed.get_rank()
 
     def record(step: int, loss: float, max_loss: float, grad_norm: float, **kw: Any) -> None:
-        ran[step] = [loss, grad_norm]
+        ran[step] = [loss, grad_norm]  # after the step's optimizers.step()
         log(step, loss, max_loss, grad_norm, **kw)
+        if not a.unprotected:
+            write_restorable(out, rank, restorable_version(trainer.checkpointer))
 
     trainer.metrics_processor.log = record  # type: ignore[method-assign]
     trainer.train()
     state = final_state(trainer, ran)
     trainer.close()
-    out = Path(a.out)
-    rank = torch.distributed.get_rank()
     (out / f"state.rank{rank}.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     torch.distributed.destroy_process_group()
 
