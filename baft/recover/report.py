@@ -44,13 +44,12 @@ class RecoveryReport:
                 f.write(json.dumps(self.record) + "\n")
             r = self.record
             secs = ", ".join(f"{k} {v:.3f}s" for k, v in r["seconds"].items())
-            log.info(
-                "recovered v%s from %s (lost %s iteration(s)): %s",
-                r["restored_version"],
-                r["source"],
-                r["lost_iterations"],
-                secs,
+            what = (
+                f"recovered v{r['restored_version']} from {r['source']}"
+                if r["restored_version"] is not None
+                else "started over from iteration 0 (no version to restore)"
             )
+            log.info("%s (lost %s iteration(s)): %s", what, r["lost_iterations"], secs)
 
 
 PROGRESS_DIR = "progress"
