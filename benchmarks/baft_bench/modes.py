@@ -13,6 +13,8 @@ Every engine mode runs the same :class:`~baft.engine.engine.CheckpointEngine`; a
   ``dlrover-flash`` (which runs without a replica).
 - ``baft-persist``: ``baft`` with ``persist=N`` (``--persist-every N``), the arm matched to
   CheckFreq / DCP / torch-save writing to disk every N-th checkpoint.
+- ``baft-persist-proc``: ``baft-persist`` with ``PersistConfig(writer="process")`` (DCP
+  saves in a writer process per rank, reading the store's shared memory).
 - ``baft-full``: the whole state every version (``full_every=1``), network transport.
 - ``naive-async``: full snapshots all started at the iteration's start, network transport.
 
@@ -29,7 +31,10 @@ REFERENCE_MODES = ("none", "bare")
 """Modes without checkpoints: the instrumented runner, the bare torch schedule."""
 BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
 """Modes implemented in :mod:`baft_bench.baselines` (each writes to disk)."""
-ENGINE_MODES = ("naive-async", "baft-full", "baft", "baft-shm", "baft-noreplica", "baft-persist")
+ENGINE_MODES = (
+    "naive-async", "baft-full", "baft", "baft-shm", "baft-noreplica", "baft-persist",
+    "baft-persist-proc",
+)  # fmt: skip
 """Modes provided by ``baft.engine.engine.CheckpointEngine`` (see :data:`ENGINE_ARMS`)."""
 PEER_MODES = ("lm-resiliency", "dlrover-flash")
 """Modes backed by published libraries (:mod:`baft_bench.peers`, the ``peers`` extra)."""
@@ -56,6 +61,8 @@ class EngineArm:
     """``persist_every`` = ``--persist-every`` (else the policy's)."""
     fixed_paths: bool = False
     """``--engine exchange=`` does not override ``paths`` (the arm is named for it)."""
+    writer: str = "thread"
+    """:attr:`baft.config.PersistConfig.writer`: who runs ``dcp.save``."""
 
 
 ENGINE_ARMS = {
@@ -65,6 +72,7 @@ ENGINE_ARMS = {
     "baft-shm": EngineArm(paths="auto", fixed_paths=True),
     "baft-noreplica": EngineArm(redundancy="none"),
     "baft-persist": EngineArm(persist=True),
+    "baft-persist-proc": EngineArm(persist=True, writer="process"),
 }
 """Each engine mode's arm (see the module docstring)."""
 assert tuple(ENGINE_ARMS) == ENGINE_MODES

@@ -173,7 +173,7 @@ class OverheadConfig:
     def cadence(self, mode: str) -> int:
         """Iterations between the checkpoints (disk writes, for disk modes) of ``mode``:
         a checkpoint falls on the iterations divisible by it (the engine's rule)."""
-        if mode in DISK_MODES or mode == "baft-persist":
+        if mode in DISK_MODES or (mode in ENGINE_ARMS and ENGINE_ARMS[mode].persist):
             return self.interval * self.persist_every
         return self.interval
 
@@ -225,6 +225,7 @@ class OverheadConfig:
         ck.store.job_id = engine_job_id(self.out_dir, mode)
         ck.store.keep_on_close = True  # the restore check reads it after close (then removed)
         ck.persist.dir = str(Path(self.out_dir) / "ckpt" / f"{mode}-dcp")
+        ck.persist.writer = arm.writer
         ck.exchange.paths = arm.paths
         if self.compute == "emulated":
             ck.exchange.snapshot_copy = "thread"  # the host is free while the device computes

@@ -106,6 +106,7 @@ def _protect(
     full_every: int = 1,
     persist_every: int = 0,
     keep_stores: bool = True,
+    writer: str = "thread",
 ) -> Any:
     import baft
 
@@ -119,6 +120,7 @@ def _protect(
         store=baft.StoreConfig(
             root=str(Path(root) / "shm"), job_id="restore-test", keep_on_close=keep_stores
         ),
+        persist=baft.PersistConfig(writer=writer),
     )
     return baft.protect(
         schedule=s["schedule"],

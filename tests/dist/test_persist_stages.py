@@ -23,10 +23,12 @@ pytestmark = pytest.mark.timeout(240)
 ITERATIONS = 6
 
 
-def _power_loss_job(rank: int, world: int, root: str, full_every: int) -> dict[str, Any]:
+def _power_loss_job(
+    rank: int, world: int, root: str, full_every: int, writer: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     s = _setup(rank, world)
-    ft = _protect(s, root, full_every=full_every, persist_every=2)
+    ft = _protect(s, root, full_every=full_every, persist_every=2, writer=writer)
     ft.restore()
     digests, params = {}, {}
     for it in range(ITERATIONS):
@@ -54,7 +56,7 @@ def _power_loss_job(rank: int, world: int, root: str, full_every: int) -> dict[s
         shutil.rmtree(Path(root) / "shm", ignore_errors=True)
     dist.barrier()
     s2 = _setup(rank, world)
-    ft2 = _protect(s2, root, full_every=full_every, persist_every=2)
+    ft2 = _protect(s2, root, full_every=full_every, persist_every=2, writer=writer)
     out["restored"] = ft2.restore()
     out["source"] = ft2.recovery.record["source"]
     out["restored_equal"] = (
@@ -64,11 +66,16 @@ def _power_loss_job(rank: int, world: int, root: str, full_every: int) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("full_every", [1, 2])
+@pytest.mark.parametrize(
+    ("full_every", "writer"),
+    # the writer process (PersistConfig(writer="process")) reads the committed slot (full)
+    # and the live copy's shared buffer (differential)
+    [(1, "thread"), (2, "thread"), (1, "process"), (2, "process")],
+)
 def test_stages_sharing_fqns_persist_and_restore_from_dcp(
-    gloo, tmp_path: Path, full_every: int
+    gloo, tmp_path: Path, full_every: int, writer: str
 ) -> None:
-    got = gloo.run(_power_loss_job, 2, args=(str(tmp_path), full_every), timeout_s=180)
+    got = gloo.run(_power_loss_job, 2, args=(str(tmp_path), full_every, writer), timeout_s=180)
     for out in got:
         assert out["keys"] == "pp", out
         assert out["persisted"] in (ITERATIONS - 1, ITERATIONS - 2), out

@@ -40,10 +40,16 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
         "baft-shm": 0,
         "baft-noreplica": 0,
         "baft-persist": 0,
+        "baft-persist-proc": 0,
     }
     assert ck["baft-noreplica"].policy.redundancy == "none"
     assert ck["baft"].policy.redundancy == "xor:2"
     assert ck["baft-persist"].policy.persist_every == 4
+    assert ck["baft-persist-proc"].policy.persist_every == 4
+    assert {m: c.persist.writer for m, c in ck.items()} == {
+        **{m: "thread" for m in ENGINE_MODES},
+        "baft-persist-proc": "process",
+    }
     assert ck["baft"].policy.persist_every == 0
     assert all(c.store.keep_on_close for c in ck.values())  # read by the restore check
     assert {m: cfg.transport(m) for m in ("none", "bare", "checkfreq", *ENGINE_MODES)} == {
@@ -56,6 +62,7 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
         "baft-shm": "shm",
         "baft-noreplica": "n/a",
         "baft-persist": "network",
+        "baft-persist-proc": "network",
     }
     assert cfg.transport("lm-resiliency") == "network"
     assert cfg.transport("dlrover-flash") == "n/a"
