@@ -127,9 +127,10 @@ def lr_scheduler_state(lr_schedulers: Any) -> dict[str, Any]:
 
 def device_mesh_of(parallel_dims: Any) -> Any:
     """The dense mesh of torchtitan's ``ParallelDims`` with every axis, size-1 ones too:
-    ``(pp, dp_replicate, fsdp, tp)`` (torchtitan's default backend folds ``dp_shard`` and
-    ``cp`` into ``fsdp``) or ``(pp, dp_replicate, dp_shard, cp, tp)`` with
-    ``spmd_backend="spmd_types"``. None without ``parallel_dims`` (``protect`` then makes
+    ``(pp, dp_replicate, fsdp, tp)`` (``spmd_backend="partial_dtensor"`` folds ``dp_shard``
+    and ``cp`` into ``fsdp``) or ``(pp, dp_replicate, dp_shard, cp, tp)`` with
+    ``"spmd_types"`` (0.3.0's default) and ``"full_dtensor"``, whose meshes keep
+    ``dp_shard`` and ``cp`` apart (torchtitan ``ParallelDims.build_mesh``). None without ``parallel_dims`` (``protect`` then makes
     its own). baft interprets the axes (``protect``); refused here are the torchtitan
     dimensions outside this mesh: expert parallelism, and context parallelism (hidden in
     ``fsdp``)."""
@@ -140,7 +141,7 @@ def device_mesh_of(parallel_dims: Any) -> Any:
             raise ValueError(
                 f"BaftCheckpointManager: {what} parallelism ({dim}>1) is not supported"
             )
-    if getattr(parallel_dims, "spmd_backend", "") == "spmd_types":
+    if getattr(parallel_dims, "spmd_backend", "") in ("spmd_types", "full_dtensor"):
         dims = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     else:
         dims = ["pp", "dp_replicate", "fsdp", "tp"]

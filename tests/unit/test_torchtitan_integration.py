@@ -247,9 +247,10 @@ def test_device_mesh_is_torchtitans_dense_mesh_passed_through() -> None:
     assert default.calls == [
         (["pp", "dp_replicate", "fsdp", "tp"], {"include_singleton_axes": True})
     ]
-    spmd = _parallel_dims("spmd_types")
-    assert device_mesh_of(spmd) is spmd.mesh
-    assert spmd.calls[0][0] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    for backend in ("spmd_types", "full_dtensor"):  # their meshes keep dp_shard, no fsdp
+        spmd = _parallel_dims(backend)
+        assert device_mesh_of(spmd) is spmd.mesh
+        assert spmd.calls[0][0] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     for refused, what in ((_parallel_dims(cp=2), "context"), (_parallel_dims(ep=4), "expert")):
         with pytest.raises(ValueError, match=f"{what} parallelism"):
             device_mesh_of(refused)
