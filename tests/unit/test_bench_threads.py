@@ -73,7 +73,10 @@ def test_attribution_parts_add_up_to_the_overhead_per_rank() -> None:
     assert round(r1["pipeline_wait"], 6) == 0.0 and round(r1["residual"], 6) == 11.0
     assert round(r0["baft_threads"], 6) == 30.0
     table = markdown(result, ["baft"])
-    assert "| baft | 0 | +16.0 | +5.0 | +2.0 | +6.0 | +0.0 | +3.0 | +0.0 | +30.0 | +0.0 | 81% |" in table
+    assert (
+        "| baft | 0 | +16.0 | +5.0 | +2.0 | +6.0 | +0.0 | +3.0 | +0.0 | +30.0 | +0.0 | 81% |"
+        in table
+    )
 
 
 def test_stime_is_field_15_after_the_command_name() -> None:
