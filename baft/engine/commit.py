@@ -35,19 +35,13 @@ class Commit:
         self._pending: tuple[int, VoteHandle] | None = None
         self.stop_agreed = False
         """Some rank voted to stop (SIGTERM): every rank learns it from the same vote."""
-        self.persist_agreed = True
-        """Every rank could start the last resolved version's DCP save without waiting."""
         self._reclaim_after: int | None = None
 
-    def post(
-        self, version: int, complete: bool, stopping: bool = False, persist_ready: bool = True
-    ) -> None:
+    def post(self, version: int, complete: bool, stopping: bool = False) -> None:
         """Start the agreement on ``version``; a rank that could not complete it votes -1,
-        a rank asked to stop (SIGTERM) says so in the same all-reduce, and so does a rank
-        whose DCP writer is still busy (``persist_ready`` False: the job skips persisting
-        this version, :attr:`persist_agreed`)."""
+        a rank asked to stop (SIGTERM) says so in the same all-reduce."""
         assert self._pending is None, "one commit vote at a time"
-        vote = [version if complete else -1, 0 if stopping else 1, 1 if persist_ready else 0]
+        vote = [version if complete else -1, 0 if stopping else 1]
         self._pending = (version, self.transport.all_min_async(vote))
 
     def resolve(self) -> int | None:
@@ -56,9 +50,8 @@ class Commit:
             return None
         version, handle = self._pending
         self._pending = None
-        agreed, keep_going, persist_ready = handle.wait()
+        agreed, keep_going = handle.wait()
         self.stop_agreed = self.stop_agreed or keep_going == 0
-        self.persist_agreed = persist_ready == 1
         if agreed != version:
             return None
         self.store.commit(version)

@@ -230,11 +230,7 @@ class CheckpointEngine:
                 "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
             )
             stopping = self.termination is not None and self.termination.requested
-            differential = (
-                self.rotation.layout is not None and self.rotation.layout.payload is not None
-            )
-            ready = self.persisting.ready(v.version, differential=differential)
-            self.commit.post(v.version, complete, stopping, persist_ready=ready)
+            self.commit.post(v.version, complete, stopping)
         self.last_metrics = {
             "committed_version": self.committed,
             **self.writer.metrics(v if written else None),
@@ -297,7 +293,6 @@ class CheckpointEngine:
             version,
             differential=lay is not None and lay.payload is not None,
             slot_data=lambda: self._slot_data(version),
-            agreed=self.commit.persist_agreed,
         )
 
     def _slot_data(self, version: int) -> tuple[torch.Tensor, int, int]:

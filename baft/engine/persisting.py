@@ -205,8 +205,6 @@ class Persisting:
         self._fire = fire
         self._copy = LiveCopy(device, keys, getattr(persister, "host_buffer", None))
         self._inflight: tuple[int, SaveHandle] | None = None
-        self.skipped = 0
-        """Due versions not persisted because a save was still being written."""
         self.sharded = frozenset(sharded)
         """DCP keys of DTensor pieces (every shard rank writes its own)."""
         self.param_groups = [list(g) for g in param_groups]
@@ -243,24 +241,8 @@ class Persisting:
         in the background for the persister, read once that version commits."""
         if not differential or not self.due(version):
             return
-        if self._busy():  # the buffer is still being written: this version is skipped
-            return
-        self.join()
+        self.join()  # the buffer is reused
         self._copy.start(version, self._share(), copier)
-
-    def _busy(self) -> bool:
-        return self._inflight is not None and not self._inflight[1].done()
-
-    def ready(self, version: int, *, differential: bool) -> bool:
-        """Whether this rank can start ``version``'s save without waiting for the one in
-        flight (what it votes: a save is collective, so the job persists a due version
-        only if every rank is ready, and skips it otherwise instead of stalling training
-        behind a slow disk; the next due version is persisted once the writer is free)."""
-        if not self.due(version):
-            return True
-        if differential:
-            return self._copy.version == version
-        return not self._busy()
 
     def committed(
         self,
@@ -268,21 +250,9 @@ class Persisting:
         *,
         differential: bool,
         slot_data: Callable[[], tuple[torch.Tensor, int, int]],
-        agreed: bool = True,
     ) -> None:
-        """``version`` committed: start its save if due and every rank was ready for it
-        (``agreed``, from the commit vote; else it is skipped, see :meth:`ready`). Full
-        snapshots save typed views of the committed slot (``slot_data()``: its bytes and
-        the owned flat range)."""
-        if self.due(version) and not agreed:
-            self._copy.take(version)  # dropped: the job does not persist this version
-            self.skipped += 1
-            log.info(
-                "v%d not persisted: the previous save is still being written (%d skipped "
-                "so far; the next due version goes to disk once it is done)",
-                version, self.skipped,
-            )  # fmt: skip
-            return
+        """``version`` committed: start its save if due. Full snapshots save typed views
+        of the committed slot (``slot_data()``: its bytes and the owned flat range)."""
         if differential:
             copied = self._copy.take(version)
             if copied is not None:

@@ -3,7 +3,6 @@ cadence. No processes, no threads, no store."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -138,66 +137,3 @@ def test_sigterm_grace_follows_the_iteration() -> None:
     assert t.grace_s == 7.0
     t.pace(10.0)
     assert t.grace_s == 20.0
-
-
-class _SlowPersister:
-    """A DCP persister whose saves finish only when told (a slow disk)."""
-
-    native_id = None  # no writer thread to raise while waiting
-
-    def __init__(self) -> None:
-        self.saved: list[int] = []
-        self.finish = threading.Event()
-
-    def save_async(self, version: int, state: Any, meta: Any) -> Any:
-        self.saved.append(version)
-        finish = self.finish
-
-        class _Handle:
-            def done(self) -> bool:
-                return finish.is_set()
-
-            def wait(self, timeout: float | None = None) -> None:
-                assert finish.wait(5.0)
-
-        return _Handle()
-
-
-def test_a_busy_writer_skips_due_versions_by_agreement_instead_of_stalling() -> None:
-    """A save is collective: a rank whose previous save is still being written votes
-    not ready, every rank then skips that version (none waits), and the next due
-    version after the save ends is persisted."""
-    from baft.engine.commit import Commit
-    from baft.engine.local_transport import LocalTransport
-
-    slow = _SlowPersister()
-    p = _persisting(every=1)
-    p.persister = slow  # type: ignore[assignment]
-    data = lambda: (torch.zeros(16, dtype=torch.uint8), 0, 16)  # noqa: E731
-    assert p.ready(0, differential=False)
-    p.committed(0, differential=False, slot_data=data, agreed=True)
-    assert slow.saved == [0] and not p.ready(1, differential=False)  # v0 still writing
-    transports = LocalTransport.group(2)
-
-    class _Store:
-        def commit(self, version: int) -> None:
-            pass
-
-    commits = [Commit(t, _Store()) for t in transports]  # type: ignore[arg-type]
-    votes = [(1, p.ready(1, differential=False)), (1, True)]  # the other rank is ready
-    for c, (v, ready) in zip(commits, votes, strict=True):
-        c.post(v, True, persist_ready=ready)
-    done = []
-    threads = [threading.Thread(target=lambda c=c: done.append(c.resolve())) for c in commits]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(5.0)
-    assert done == [1, 1]  # v1 committed on both
-    assert [c.persist_agreed for c in commits] == [False, False]  # both skip its save
-    p.committed(1, differential=False, slot_data=data, agreed=False)
-    assert slow.saved == [0] and p.skipped == 1  # skipped, nobody waited for v0
-    slow.finish.set()
-    assert p.ready(2, differential=False)
-    p.committed(2, differential=False, slot_data=data, agreed=True)
-    assert slow.saved == [0, 2]
