@@ -25,7 +25,9 @@ def test_torchft_survivor_goes_on_and_the_difference_is_the_dropped_rows(tmp_pat
     ref = run_job(tmp_path / "failure-free", kills=0, steps=got["steps"], **SMALL)
     (f,) = failures(got["kills"], got["attempts"], got["ready"], replicas=2)
     assert f["survivors_replaced"] == 0  # the survivor kept its process
-    assert f["lost_iterations"] == 1  # its step in flight, not committed, tried again
+    # its step in flight fails and is tried again when the kill lands before that step's
+    # allreduce; a kill after it costs nothing (the kill's moment in the step is random)
+    assert f["lost_iterations"] in (0, 1)
     assert f["dropped_batches"] >= 1  # steps it committed alone
     assert f["full_strength_s"] is not None and f["full_strength_s"] >= f["downtime_s"]
     assert f["seconds"]["restore"] > 0  # the new worker healed from the survivor
@@ -51,7 +53,8 @@ def test_nvrx_wrapper_with_a_reserve_ends_on_the_failure_free_state(tmp_path: Pa
     ref = run_job(tmp_path / "failure-free", kills=0, steps=got["steps"], **SMALL)
     (f,) = failures(got["kills"], got["attempts"], got["ready"], replicas=2)
     assert f["survivors_replaced"] == 0 and f["dropped_batches"] == 0
-    assert f["lost_iterations"] == 1
+    assert f["lost_iterations"] in (0, 1)  # the survivor's failed step (unlogged if NVRx
+    # interrupts it outside the step's try, e.g. in ping())
     assert f["full_strength_s"] == f["downtime_s"]  # the reserve is rank 1 at once
     assert f["seconds"]["restore"] > 0  # the state broadcast to the reserve
     final = final_state(got["finals"], ref["finals"], None)
