@@ -44,6 +44,9 @@ class HostMemory:
     root: str
     mem_available: int | None
     root_free: int
+    job_bytes: int = 0
+    """What this job's stores already hold under ``root`` (a restart reuses them: they
+    count as available, or a job that filled its budget could never restart)."""
 
 
 def read_mem_available(meminfo: str | None = None) -> int | None:
@@ -59,12 +62,21 @@ def read_mem_available(meminfo: str | None = None) -> int | None:
     return None
 
 
-def observe(host: str, root: Path) -> HostMemory:
-    """This rank's view of its host: MemAvailable and the free bytes under ``root``
-    (created if missing, as the store will be)."""
+def observe(host: str, root: Path, job_dir: Path | None = None) -> HostMemory:
+    """This rank's view of its host: MemAvailable, the free bytes under ``root`` (created
+    if missing, as the store will be) and what the job's stores there hold already."""
     root.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(root)
-    return HostMemory(host, os.path.realpath(root), read_mem_available(), st.f_bavail * st.f_frsize)
+    held = 0
+    if job_dir is not None and job_dir.is_dir():
+        for f in job_dir.rglob("*"):
+            try:
+                held += f.lstat().st_blocks * 512 if f.is_file() else 0
+            except OSError:  # removed meanwhile
+                continue
+    return HostMemory(
+        host, os.path.realpath(root), read_mem_available(), st.f_bavail * st.f_frsize, held
+    )
 
 
 def derive_budget(seen: Sequence[HostMemory], rank: int) -> tuple[int, str]:
@@ -73,10 +85,12 @@ def derive_budget(seen: Sequence[HostMemory], rank: int) -> tuple[int, str]:
     over the ranks whose stores share that root on that host. Returns (bytes, reason)."""
     me = seen[rank]
     sharing = sum(1 for s in seen if (s.host, s.root) == (me.host, me.root))
-    limits = [(me.root_free, f"{_mib(me.root_free)} free under {me.root}")]
+    held = me.job_bytes  # the job's own stores: reused, so available to it
+    also = f" + {_mib(held)} this job's stores hold" if held else ""
+    limits = [(me.root_free + held, f"{_mib(me.root_free)} free under {me.root}{also}")]
     if me.mem_available is not None:
-        half = int(me.mem_available * MEM_FRACTION)
-        limits.append((half, f"{MEM_FRACTION:g} x MemAvailable {_mib(me.mem_available)}"))
+        half = int(me.mem_available * MEM_FRACTION) + held
+        limits.append((half, f"{MEM_FRACTION:g} x MemAvailable {_mib(me.mem_available)}{also}"))
     total, why = min(limits)
     budget = total // sharing
     return budget, f"{why} / {sharing} rank(s) sharing it = {_mib(budget)} per rank"

@@ -36,7 +36,7 @@ from baft.pipeline.step import StepRunner
 from baft.plan import names
 from baft.store.disk import Persister, PersistKeys, choose_persist_keys
 from baft.store.disk_process import ProcessPersister, agree_prefix
-from baft.store.paths import host_id
+from baft.store.paths import host_id, job_path
 from baft.store.policy import Redundancy
 from baft.store.shm import SnapshotStore
 
@@ -167,7 +167,7 @@ def budget_stores(
     first step when even the smallest layout cannot fit it. Collective. Returns ``ck``
     with the agreed budget (what ``full_every=auto`` plans under)."""
     nbytes = sum(t.numel() * t.element_size() for _, t in state.named_tensors())
-    seen = admission.observe(host_id(), store.root)
+    seen = admission.observe(host_id(), store.root, job_path(store.root, store.job_id))
     mine = (seen, nbytes, ck.store.budget_bytes)
     gathered = transport.all_gather_object(mine)
     if ck.store.budget_bytes is not None:

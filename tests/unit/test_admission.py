@@ -65,3 +65,23 @@ def test_admit_refuses_with_the_numbers_and_the_knobs() -> None:
         "smallest layout) but the store budget is 67,108,864 B (64.0 MiB free under /s)."
     )
     assert "--shm-size" in msg and "StoreConfig(budget_bytes=...)" in msg
+
+
+def test_a_restarting_job_counts_its_own_stores_as_available(tmp_path) -> None:
+    """A job that filled its budget must be able to restart: the stores it holds are
+    reused, so they count as available (else the tmpfs looks full to its own restart)."""
+    from baft.engine.admission import observe
+
+    job = tmp_path / "root" / "job"
+    (job / "node0" / "rank0").mkdir(parents=True)
+    (job / "node0" / "rank0" / "data0").write_bytes(b"x" * 1_048_576)
+    seen = observe("h", tmp_path / "root", job)
+    assert seen.job_bytes >= 1_048_576
+    budget, why = derive_budget([seen], 0)
+    assert budget == min(seen.root_free + seen.job_bytes,
+                         int((seen.mem_available or 0) * 0.5) + seen.job_bytes)  # fmt: skip
+    assert "this job's stores hold" in why
+    fresh = HostMemory("h", "/r", 8 * MiB, 4 * MiB)
+    again = HostMemory("h", "/r", 8 * MiB, 4 * MiB, job_bytes=3 * MiB)
+    assert derive_budget([fresh], 0)[0] == 4 * MiB
+    assert derive_budget([again], 0)[0] == 7 * MiB
