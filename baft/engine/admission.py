@@ -68,12 +68,13 @@ def observe(host: str, root: Path, job_dir: Path | None = None) -> HostMemory:
     root.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(root)
     held = 0
-    if job_dir is not None and job_dir.is_dir():
-        for f in job_dir.rglob("*"):
-            try:
-                held += f.lstat().st_blocks * 512 if f.is_file() else 0
-            except OSError:  # removed meanwhile
-                continue
+    if job_dir is not None:
+        for dirpath, _, files in os.walk(job_dir):  # errors (a directory removed meanwhile
+            for name in files:  # by a peer's reclaim) skip it, as os.walk does
+                try:
+                    held += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                except OSError:
+                    continue
     return HostMemory(
         host, os.path.realpath(root), read_mem_available(), st.f_bavail * st.f_frsize, held
     )
