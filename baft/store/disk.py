@@ -297,19 +297,7 @@ class Persister:
     def _run(self) -> None:
         if self._on_thread_start is not None and self.background:
             self.lowered = self._on_thread_start()
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            assert isinstance(job, _Job)
-            try:
-                self._save(job)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                job.future.set_exception(e)
-            else:
-                job.future.set_result(None)
-            finally:
-                job.state = {}
+        run_jobs(self._jobs, self._save)
 
     def _save(self, job: _Job) -> None:
         target = version_dir(self.directory, job.version)
@@ -366,3 +354,27 @@ class Persister:
                 shutil.rmtree(path)
             except OSError as e:
                 log.warning("could not delete old checkpoint %s: %s", path, e)
+
+
+def run_jobs(
+    jobs: queue.Queue[_Job | object],
+    save: Callable[[_Job], None],
+    on_stop: Callable[[], None] = lambda: None,
+) -> None:
+    """Run queued saves in order until the stop marker (then ``on_stop``), handing each
+    outcome to its job's future (a writer thread here, the writer process's client thread
+    in :mod:`baft.store.disk_process`)."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            on_stop()
+            return
+        assert isinstance(job, _Job)
+        try:
+            save(job)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            job.future.set_exception(e)
+        else:
+            job.future.set_result(None)
+        finally:
+            job.state = {}

@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from baft.store.disk import Persister, SaveHandle, _Job
+from baft.store.disk import _STOP, Persister, SaveHandle, _Job, run_jobs
 from baft.store.disk_writer import describe, describe_layouts
 
 log = logging.getLogger("baft")
-_STOP = object()
 BUFFER_NAME = "persist_copy.buf"
 """The differential live copy's shared file, in the rank's store directory."""
 
@@ -185,25 +184,15 @@ class ProcessPersister(Persister):
         ready = self._receive()
         if ready is not None and ready[0] != "ready":
             self._failed = f"writer process failed to start: {ready[2]}"
-        while True:
-            job = self._requests.get()
-            if job is _STOP:
-                if not self._failed:
-                    try:
-                        self._conn.send(("stop",))
-                        self._receive()
-                    except OSError:
-                        pass
-                return
-            assert isinstance(job, _Job)
+        run_jobs(self._requests, self._save_remote, self._stop_writer)
+
+    def _stop_writer(self) -> None:
+        if not self._failed:
             try:
-                self._save_remote(job)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                job.future.set_exception(e)
-            else:
-                job.future.set_result(None)
-            finally:
-                job.state = {}
+                self._conn.send(("stop",))
+                self._receive()
+            except OSError:
+                pass
 
     def _save_remote(self, job: _Job) -> None:
         if self._failed:
