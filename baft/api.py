@@ -43,7 +43,7 @@ import enum
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from baft.engine.transport import destroy_group
 from baft.errors import refusal
 from baft.liveness import generation
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
+from baft.pipeline import elastic
 from baft.pipeline.layout import (
     check_fsdp_supported,
     check_no_sharded_replicas,
@@ -285,6 +286,19 @@ class Protected:
         self.runner._check_restored()  # a failed restore() says so
         return self.runner.run_step(iteration, inputs, target).loss
 
+    def replicas(self) -> Iterator[int]:
+        """The DP replicas this rank computes, in order: run each one's forward and
+        backward in the loop's body (``for r in ft.replicas(): schedule.step(...)``).
+        With elastic replicas (``CheckpointConfig.elastic``) each gets its own RNG and
+        ``state=`` objects and the gradients are reduced over all of them when the loop
+        ends (:mod:`baft.pipeline.elastic`); without, it is this rank's DP index alone."""
+        if self._phase is _Phase.NEW:
+            raise RuntimeError(NOT_RESTORED)
+        if self.runner.elastic is None:
+            yield self.mesh.coords.dp
+            return
+        yield from self.runner.elastic.run(self.runner)
+
     def average_gradients(self) -> None:
         """Average the gradients over the DP replicas (with dp > 1): call it after
         ``schedule.step(...)``, before clipping and ``optimizer.step()``."""
@@ -454,6 +468,7 @@ def _protect_on(
             on_step_end=[after_step],
             wait_timeout_s=ck.timeouts.collective_s,
         )
+        elastic.attach(runner, ck.elastic.num_replicas, ck.elastic.deterministic)
         runner.layout_digests = _exchange_layouts(runner, mesh)
     except BaseException:
         if runner is not None:

@@ -24,6 +24,7 @@ from baft.plan.types import CheckpointPolicy
 __all__ = [
     "CheckpointConfig",
     "CheckpointPolicy",
+    "ElasticConfig",
     "ExchangeConfig",
     "InprocessTimeouts",
     "PersistConfig",
@@ -117,6 +118,46 @@ class TimeoutConfig:
     (the watchdog ends a process whose peer froze about this long)."""
     flush_s: float = 20.0
     """Longest a SIGTERM flush may take (torchrun kills workers 30 s after its SIGTERM)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """Data parallelism that survives losing a host: the job's DP replicas are *virtual*,
+    a fixed number of them whatever the number of ranks that computes them now
+    (:mod:`baft.pipeline.elastic`). With ``num_replicas = 0`` (the default) the replicas
+    are the ranks, as without this."""
+
+    num_replicas: int = 0
+    """The job's DP degree as its data and its gradient reduction see it, fixed for the
+    job's life: every iteration processes the micro-batches of all of them. The ranks'
+    DP degree must divide it; each rank computes ``num_replicas / dp`` consecutive
+    replicas in its loop (``for r in ft.replicas(): ...``). 0: off."""
+    deterministic: bool = True
+    """Reduce the replicas' gradients in a fixed order (all-gather, then a sum in replica
+    order) that does not depend on how many ranks compute them: the trajectory after a
+    shrink or a grow is bit-identical to the run that never changed. False: each rank sums
+    its replicas, then one all-reduce (the same samples; the last bits differ after a
+    change of the DP degree)."""
+
+    def validate(self, num_dp: int) -> None:
+        if not isinstance(self.num_replicas, int) or self.num_replicas < 0:
+            raise ValueError(f"elastic.num_replicas={self.num_replicas!r} must be an int >= 0")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(
+                f"elastic.deterministic must be true or false, got {self.deterministic!r}"
+            )
+        if self.num_replicas and self.num_replicas % num_dp:
+            raise ValueError(
+                f"elastic.num_replicas={self.num_replicas} is not a multiple of the job's "
+                f"{num_dp} DP ranks per stage: run with a DP degree that divides it"
+            )
+
+    def hosted(self, num_dp: int, dp: int) -> range:
+        """The virtual replicas DP rank ``dp`` of ``num_dp`` computes, in order."""
+        if not self.num_replicas:
+            return range(dp, dp + 1)
+        k = self.num_replicas // num_dp
+        return range(dp * k, (dp + 1) * k)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -220,6 +261,7 @@ class CheckpointConfig:
     persist: PersistConfig = field(default_factory=PersistConfig)
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     if not TYPE_CHECKING:  # hidden from mypy, which would take any attribute as Any
 
@@ -241,6 +283,7 @@ class CheckpointConfig:
         for name, kind in (
             ("store", StoreConfig), ("persist", PersistConfig),
             ("exchange", ExchangeConfig), ("timeouts", TimeoutConfig),
+            ("elastic", ElasticConfig),
         ):  # fmt: skip
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(
@@ -274,6 +317,7 @@ class CheckpointConfig:
             from baft.store.coding import Redundancy, coding_groups
 
             coding_groups(topology, Redundancy.parse(self.policy.redundancy))
+            self.elastic.validate(topology.num_dp)
 
     @classmethod
     def parse(cls, text: str, **fields: Any) -> CheckpointConfig:
@@ -289,7 +333,7 @@ class CheckpointConfig:
         d = dict(d)
         groups = {
             "store": StoreConfig, "persist": PersistConfig,
-            "exchange": ExchangeConfig, "timeouts": TimeoutConfig,
+            "exchange": ExchangeConfig, "timeouts": TimeoutConfig, "elastic": ElasticConfig,
         }  # fmt: skip
         parts = {k: kind(**d.pop(k)) for k, kind in groups.items() if k in d}
         return cls(policy=CheckpointPolicy(**d.pop("policy", {})), **parts, **d)

@@ -65,7 +65,7 @@ class RunnerState:
     before the loop fetches the next batch or draws from the RNG.
     """
 
-    def __init__(self, runner: StepRunner, transport: Transport) -> None:
+    def __init__(self, runner: StepRunner, transport: Transport, num_replicas: int = 0) -> None:
         self.runner = runner
         self.ts = runner.state
         self.transport = transport
@@ -73,8 +73,12 @@ class RunnerState:
         c = mesh.coords
         self._prefix = prefix = names.extra_prefix(c.pp, c.tp)
         self.replicas = ReplicaRecords(
-            self.ts.tensors(), rank=mesh.rank, replicas=mesh.topology.replicas(mesh.rank)
-        )
+            self.ts.tensors(), rank=mesh.rank, replicas=mesh.topology.replicas(mesh.rank),
+            num_replicas=num_replicas,
+        )  # fmt: skip
+        self.elastic = runner.elastic
+        """The runner's virtual replicas (None without): their records fill this rank's
+        copies at a version's start and take the restored ones."""
         named = self.replicas.named()
         self._rename = {n: names.with_coords(n, prefix) for n, _ in named}
         self._named = [(self._rename[n], t) for n, t in named]
@@ -97,6 +101,8 @@ class RunnerState:
 
     def capture(self) -> None:
         self.runner.capture_at_start()
+        if self.elastic is not None:  # the hosted replicas' records, kept apart
+            self.replicas.fill_hosted(self.elastic.record)
         self.replicas.exchange(self.transport)  # every replica's own records, everywhere
 
     def named_params(self) -> dict[str, torch.Tensor]:
@@ -113,6 +119,9 @@ class RunnerState:
         self.ts.check_layout(self.replicas.own_layout(plain))
 
     def apply(self) -> None:
+        if self.elastic is not None:
+            self.replicas.load_first_hosted()
+            self.elastic.restored(self.replicas.hosted_copy)
         self.ts.apply()
 
     def deferred_flags(self) -> tuple[str, list[str]] | None:
@@ -237,7 +246,7 @@ def build_engine(
         transport, store.path, store.root, mesh.topology, enabled=ck.exchange.paths == "auto"
     )
     policy = ck.policy
-    state = RunnerState(runner, transport)
+    state = RunnerState(runner, transport, ck.elastic.num_replicas)
     ck = budget_stores(ck, transport, mesh, state, store)
     persister: Persister | None = None
     if persist and ck.persist.dir and (policy.persist_every or ck.persist.flush_on_sigterm):

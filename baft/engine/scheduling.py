@@ -118,6 +118,8 @@ class BubbleAware:
 
     def slot(self, w: Writes, v: Version, slot_id: str, timeline: IterationTimeline) -> None:
         for task, pieces in w.schedule.by_slot.get(slot_id, ()):
+            if task.chunk_id in v.done:  # a slot met again (elastic replicas' 2nd pass)
+                continue
             w.snapshot(v, task, pieces, timeline, slot_id)
             if len(v.done) == 1:
                 w.fire("snapshot", timeline.iteration)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -75,77 +75,120 @@ class ReplicaRecords:
     that keeps the other replicas' copies (mirrors) current.
 
     ``named``: :meth:`TrainingState.tensors` (names without coordinates); ``replicas``:
-    the ranks of this rank's replica group in dp order, ``rank`` among them.
+    the ranks of this rank's replica group in dp order, ``rank`` among them. With
+    ``num_replicas`` (virtual replicas, :mod:`baft.pipeline.elastic`) the layout holds
+    that many copies whatever the number of ranks, each rank hosts ``num_replicas /
+    len(replicas)`` consecutive ones, and their copies are tensors of their own (filled
+    by :meth:`fill_hosted` at a version's start), not the live records.
     """
 
     def __init__(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, rank: int, replicas: Sequence[int]
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        rank: int,
+        replicas: Sequence[int],
+        num_replicas: int = 0,
     ) -> None:
         self.rank = rank
         self.replicas = tuple(replicas)
         if rank not in self.replicas:
             raise ValueError(f"rank {rank} is not among its replicas {self.replicas}")
+        self.virtual = num_replicas > 0
+        self.num_replicas = num_replicas or len(self.replicas)
+        per_rank = self.num_replicas // len(self.replicas)
+        self.host_of = [self.replicas[r // per_rank] for r in range(self.num_replicas)]
+        """Virtual replica -> the rank that computes it."""
+        self.hosted = [r for r in range(self.num_replicas) if self.host_of[r] == rank]
         self.dp = self.replicas.index(rank)
         self._named: list[tuple[str, torch.Tensor]] = []
         self._own: list[torch.Tensor] = []
-        """This replica's per-replica records (live), layout order."""
-        self._mirrors: dict[int, list[torch.Tensor]] = {
-            peer: [] for peer in self.replicas if peer != rank
-        }
-        """Peer rank -> the mirrors of its records, layout order."""
+        """This rank's per-replica records (live), layout order."""
+        self.copies: dict[int, list[torch.Tensor]] = {r: [] for r in range(self.num_replicas)}
+        """Virtual replica -> its copy of every per-replica record, layout order (without
+        virtual replicas, this rank's own copies are the live records)."""
         self.own_names: dict[str, str] = {}
-        """Layout name of each own record -> its :class:`TrainingState` name."""
+        """Layout name of each own record (the first hosted replica's) -> its
+        :class:`TrainingState` name."""
         self.replica_sizes: dict[str, int] = {}
         """Layout name of every replica's copy of every per-replica record -> bytes."""
         for name, t in named:
-            if len(self.replicas) == 1 or not names.is_per_replica(name):
+            if self.num_replicas == 1 or not names.is_per_replica(name):
                 self._named.append((name, t))
                 continue
             self._own.append(t)
-            for d, peer in enumerate(self.replicas):
-                copy = names.replica(name, d)
-                held = t if peer == rank else torch.zeros_like(t)
-                if peer == rank:
+            for r in range(self.num_replicas):
+                copy = names.replica(name, r)
+                live = r in self.hosted and not self.virtual
+                held = t if live else torch.zeros_like(t)
+                if r == self.hosted[0]:
                     self.own_names[copy] = name
-                else:
-                    self._mirrors[peer].append(held)
+                self.copies[r].append(held)
                 self.replica_sizes[copy] = t.numel() * t.element_size()
                 self._named.append((copy, held))
         nbytes = sum(t.numel() * t.element_size() for t in self._own)
-        self._send = torch.empty(nbytes, dtype=torch.uint8)
-        self._recv = {peer: torch.empty(nbytes, dtype=torch.uint8) for peer in self._mirrors}
+        self._peers = sorted({self.host_of[r] for r in range(self.num_replicas)} - {rank})
+        self._send = torch.empty(nbytes * len(self.hosted), dtype=torch.uint8)
+        self._recv = {
+            peer: torch.empty(nbytes * self.host_of.count(peer), dtype=torch.uint8)
+            for peer in self._peers
+        }
 
     @property
     def num_dp(self) -> int:
-        return len(self.replicas)
+        """The number of replicas in the layout (virtual ones when there are)."""
+        return self.num_replicas
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The layout: :meth:`TrainingState.tensors` with every per-replica record once
         per replica (this replica's own copy is the live record), in canonical order."""
         return list(self._named)
 
+    def fill_hosted(self, source: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """Virtual replicas: write every hosted replica's copies, ``source(r, live)``
+        giving replica ``r``'s bytes of the record whose live tensor is ``live``."""
+        if not self.virtual:
+            return
+        for r in self.hosted:
+            for dst, live in zip(self.copies[r], self._own, strict=True):
+                dst.copy_(source(r, live))
+
+    def hosted_copy(self, r: int, live: torch.Tensor) -> torch.Tensor:
+        """Replica ``r``'s copy of the record whose live tensor is ``live``."""
+        i = next(i for i, t in enumerate(self._own) if t is live)
+        return self.copies[r][i]
+
+    def load_first_hosted(self) -> None:
+        """Virtual replicas, after a restore wrote every copy: the live records take the
+        first hosted replica's (what :meth:`TrainingState.apply` then loads)."""
+        if self.virtual:
+            for live, copy in zip(self._own, self.copies[self.hosted[0]], strict=True):
+                live.copy_(copy)
+
     def exchange(self, transport: PointToPoint) -> None:
-        """Send this replica's records to every other replica of the stage and write
+        """Send this rank's replicas' records to every other rank of the stage and write
         theirs into the mirrors (blocking; the transport bounds every wait). Every
         replica calls it at the same point of the same iteration (a version's start,
         after the small state was captured, before any snapshot copy of the version)."""
-        if not self._mirrors or not self._own:
+        if not self._peers or not self._own:
             return
         pos = 0
-        for t in self._own:
-            b = _bytes_of(t)
-            self._send[pos : pos + b.numel()].copy_(b)
-            pos += b.numel()
+        for r in self.hosted:
+            for t in self.copies[r]:
+                b = _bytes_of(t)
+                self._send[pos : pos + b.numel()].copy_(b)
+                pos += b.numel()
         handles = [transport.irecv(buf, peer, REPLICA_TAG) for peer, buf in self._recv.items()]
-        handles += [transport.isend(self._send, peer, REPLICA_TAG) for peer in self._mirrors]
+        handles += [transport.isend(self._send, peer, REPLICA_TAG) for peer in self._peers]
         for h in handles:
             h.wait()
-        for peer, mirrors in self._mirrors.items():
+        for peer in self._peers:
             buf, pos = self._recv[peer], 0
-            for m in mirrors:
-                b = _bytes_of(m)
-                b.copy_(buf[pos : pos + b.numel()])
-                pos += b.numel()
+            for r in (r for r in range(self.num_replicas) if self.host_of[r] == peer):
+                for m in self.copies[r]:
+                    b = _bytes_of(m)
+                    b.copy_(buf[pos : pos + b.numel()])
+                    pos += b.numel()
 
     def own_layout(self, saved: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
         """``saved`` (layout names without coordinates, bytes) as this replica's

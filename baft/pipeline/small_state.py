@@ -324,6 +324,24 @@ class SmallState:
                 ) from e
         load_param_group_hypers(self.optimizer, r.hypers)
 
+    def load_replica(self, keys: Iterable[str]) -> None:
+        """Load the RNG states and the state objects ``keys`` from their records (another
+        virtual replica's, copied in: :mod:`baft.pipeline.elastic`); validated first."""
+        rng_cpu = self._blobs_or_rng(names.rng("cpu")).clone()
+        _check_rng(rng_cpu, torch.device("cpu"))
+        states = {}
+        for key in keys:
+            t = self._blobs[names.state(key)]
+            states[key] = decode_blob(_read_blob(t, f"state[{key!r}]"), self.device)["state"]
+        for key, st in states.items():
+            self.stateful[key].load_state_dict(st)
+        torch.set_rng_state(rng_cpu)
+        if self.rng_device is not None:
+            torch.cuda.set_rng_state(self.rng_device.clone(), self.device)
+
+    def _blobs_or_rng(self, name: str) -> torch.Tensor:
+        return self.rng_cpu if name == names.rng("cpu") else self._blobs[name]
+
     def load_rng(self, r: Restored) -> None:
         torch.set_rng_state(r.rng_cpu)
         if r.rng_device is not None:

@@ -366,6 +366,16 @@ class TrainingState:
         at the next iteration's start, the other objects right after the step."""
         return self._small.lr_scheduler_keys()
 
+    def replica_records(self, keys: Iterable[str]) -> list[torch.Tensor]:
+        """The live record tensors of a virtual replica's own state (the RNG states and
+        the state objects ``keys``), layout order (:mod:`baft.pipeline.elastic`)."""
+        wanted = {names.state(k) for k in keys} | {n for n, _ in self._small.rngs()}
+        return [t for n, t in self._extras.items() if n in wanted]
+
+    def load_replica_records(self, keys: Iterable[str]) -> None:
+        """Load the RNG and the state objects ``keys`` from their live records."""
+        self._small.load_replica(keys)
+
     def after_optimizer_step(self) -> None:
         """Adopt state the step just created (SGD's first momentum buffers): copy it into
         the tensor the layout allocated for it and make that tensor the live state."""

@@ -190,6 +190,9 @@ class StepRunner:
         (``baft.protect`` gathers them; empty when nobody did): what each shard of a
         checkpoint records, and a restore checks before it writes."""
         self.last_step: StepResult | None = None
+        self.elastic: Any = None
+        """The virtual replicas (:class:`baft.pipeline.elastic.VirtualReplicas`) when the
+        job's DP replicas are elastic, else None."""
         self._tl: IterationTimeline | None = None
         self._losses: list[torch.Tensor] = []
         self._averaged = False
@@ -282,8 +285,8 @@ class StepRunner:
         a slot). Call it after ``schedule.step(...)`` and before clipping and
         ``optimizer.step()``; a no-op without DP replicas, or when FSDP2 (HSDP) averages
         them already (:attr:`averaged_by`)."""
-        if self.num_dp == 1 or self.averaged_by:
-            return
+        if self.num_dp == 1 or self.averaged_by or self.elastic is not None:
+            return  # elastic: reduced at the end of ft.replicas()
         if self._tl is None:
             raise RuntimeError(
                 "average_gradients() before schedule.step(...): call it after the "
@@ -298,7 +301,9 @@ class StepRunner:
         if self.phase is Phase.RESTORING:
             return
         tl = self._begin()
-        if self.num_dp > 1 and not self._averaged:
+        if self.elastic is not None:
+            self.elastic.check_reduced()
+        elif self.num_dp > 1 and not self._averaged:
             if self.average is None:
                 raise RuntimeError(
                     f"optimizer.step() with {self.num_dp} DP replicas but gradients not "

@@ -1,0 +1,227 @@
+"""Virtual DP replicas: a fixed number of data-parallel replicas, computed by however many
+ranks the job has now (:class:`VirtualReplicas`; ``CheckpointConfig.elastic``).
+
+A job that loses a host for good keeps training on the others (issue: elastic shrink)
+only if the survivors take over the lost replicas' work: their micro-batches, their RNG
+streams, their data positions. So the job's DP degree as its data and its gradient
+reduction see it is fixed (``ElasticConfig.num_replicas = R``), and each rank of a DP
+degree ``dp`` dividing ``R`` computes ``R / dp`` consecutive replicas in its loop::
+
+    for r in ft.replicas():           # this rank's replicas, in order
+        x, y = batch(r, iteration)    # replica r's micro-batches
+        schedule.step(x, target=y)
+    # the replicas' gradients are reduced here; clip, optimizer.step(), scheduler.step()
+
+Between two replicas of one rank the loop swaps what is each replica's own: the RNG
+states and every ``state=`` object but the LR schedulers (which are the job's: stepped
+once per iteration, outside the loop); and it keeps each replica's gradients apart. After
+the last replica the gradients are reduced over all ``R`` replicas:
+
+- **deterministic** (the default): every rank's replicas' flat gradients are
+  all-gathered and summed in replica order, left to right, then divided by ``R``: the
+  same additions in the same order whatever ``dp`` is, so a run that shrinks from 2 to 1
+  rank per stage (or grows back) stays bit-identical to the run that never changed;
+- otherwise: each rank sums its replicas in order, then one all-reduce (the same
+  samples; after a change of ``dp`` the sums associate differently).
+
+What the loop consumes outside ``ft.replicas()`` (an RNG draw, a counter of a
+``state=`` object other than an LR scheduler) is not a replica's and would differ after
+a shrink: keep it inside. Buffers updated by a forward (BatchNorm's running statistics)
+are the stage's, not a replica's: a model with them is not bit-identical across a change
+of ``dp`` (its records are still restored exactly).
+
+Each replica's records are in the checkpoint under its virtual index
+(``extra.state.dp<r>.<key>``, :mod:`baft.pipeline.replicas`), so the layout is the same
+for every ``dp``: a restore after a shrink or a grow finds every replica's records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from baft.pipeline.encoding import local
+from baft.pipeline.state import TrainingState
+
+if TYPE_CHECKING:
+    from baft.pipeline.step import StepRunner
+
+__all__ = ["VirtualReplicas"]
+
+
+class VirtualReplicas:
+    """One rank's virtual replicas: their own records between bodies, their gradients
+    apart until the reduction. ``hosted``: the replicas this rank computes (consecutive),
+    ``num_replicas``: all of them; ``dp_group``: the stage's DP ranks (None with one)."""
+
+    def __init__(
+        self,
+        state: TrainingState,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        hosted: Sequence[int],
+        num_replicas: int,
+        deterministic: bool,
+        dp_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.state = state
+        self.params = list(params)
+        self.hosted = tuple(hosted)
+        self.num_replicas = num_replicas
+        self.deterministic = deterministic
+        self.dp_group = dp_group
+        sched = set(state.lr_scheduler_keys())
+        self.keys = [k for k in sorted(state.stateful) if k not in sched]
+        """The ``state=`` objects that are each replica's own (all but LR schedulers)."""
+        self.live_records = state.replica_records(self.keys)
+        self.saved: dict[int, list[torch.Tensor]] = {
+            r: [t.clone() for t in self.live_records] for r in self.hosted
+        }
+        """Each hosted replica's records as of its last body's end (the live objects hold
+        the last replica's)."""
+        self._live = self.hosted[0]
+        self._grads: dict[int, list[torch.Tensor | None]] = {}
+        self.reduced = False
+        """The open iteration's gradients are reduced (its replicas' loop ended)."""
+
+    # ------------------------------------------------------------------ records
+    def record(self, r: int, live: torch.Tensor) -> torch.Tensor:
+        """Replica ``r``'s bytes of the record whose live tensor is ``live``: its saved
+        copy for its own records, the live record for the job's (LR schedulers)."""
+        for j, t in enumerate(self.live_records):
+            if t is live:
+                return self.saved[r][j]
+        return live
+
+    def restored(self, copy_of: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """After a restore: every hosted replica's records from the restored bytes
+        (``copy_of(r, live)``: replica ``r``'s copy of the record ``live``); the live
+        objects hold the first hosted replica's (:meth:`TrainingState.apply`)."""
+        for r in self.hosted:
+            for dst, live in zip(self.saved[r], self.live_records, strict=True):
+                dst.copy_(copy_of(r, live))
+        self._live = self.hosted[0]
+
+    def _load(self, r: int) -> None:
+        for dst, src in zip(self.live_records, self.saved[r], strict=True):
+            dst.copy_(src)
+        self.state.load_replica_records(self.keys)
+        self._live = r
+
+    def _save(self, r: int) -> None:
+        self.state.capture(buffers=False, rng=True, optimizer=False, state=self.keys)
+        for dst, src in zip(self.saved[r], self.live_records, strict=True):
+            dst.copy_(src)
+
+    # ------------------------------------------------------------------ the loop
+    def check_reduced(self) -> None:
+        """At ``optimizer.step()``: the iteration's replicas' loop ran to its end (its
+        gradients are reduced); else RuntimeError with the loop to write."""
+        if not self.reduced:
+            raise RuntimeError(
+                "optimizer.step() without the replicas' loop: with elastic replicas "
+                "(CheckpointConfig.elastic) run each iteration's forward and backward as "
+                "'for r in ft.replicas(): schedule.step(<replica r's micro-batches>)' "
+                "(it reduces the gradients at its end), then clip and step"
+            )
+        self.reduced = False
+
+    def run(self, runner: StepRunner) -> Iterator[int]:
+        """:meth:`loop` in ``runner``'s iteration: the reduction is its slot
+        (``dp_allreduce``) and the step's loss is the mean over the replicas'."""
+        losses: list[torch.Tensor] = []
+
+        def reduce(fn: Callable[[], None]) -> None:
+            tl = runner._begin()
+            with runner.section(f"iteration {tl.iteration}"):
+                runner.protected.slot(tl, "dp_allreduce", "collective", fn)
+            runner._losses = losses
+
+        for r in self.loop(reduce):
+            yield r
+            losses.extend(x for x in runner._losses if isinstance(x, torch.Tensor))
+            runner._losses = []
+
+    def loop(self, reduce: Callable[[Callable[[], None]], None]) -> Iterator[int]:
+        """Yield each hosted replica with its own records loaded; keep its gradients
+        apart; after the last, ``reduce(fn)`` runs the reduction (``fn``: post it and
+        wait, the caller's slot)."""
+        self.reduced = False
+        self._grads = {}
+        for r in self.hosted:
+            if self._live != r:
+                self._load(r)
+            yield r
+            self._save(r)
+            self._grads[r] = [p.grad for p in self.params]
+            if len(self.hosted) > 1:
+                for p in self.params:
+                    p.grad = None
+        reduce(self._reduce)
+        self.reduced = True
+
+    def _flat(self, r: int) -> torch.Tensor:
+        grads = self._grads[r]
+        parts = [
+            (local(g) if g is not None else torch.zeros_like(local(p))).reshape(-1)
+            for p, g in zip(self.params, grads, strict=True)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _reduce(self) -> None:
+        flats = [self._flat(r) for r in self.hosted]
+        if self.deterministic:
+            mine = torch.cat(flats) if len(flats) > 1 else flats[0]
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                every = torch.empty(
+                    mine.numel() * dist.get_world_size(self.dp_group), dtype=mine.dtype,
+                    device=mine.device,
+                )  # fmt: skip
+                dist.all_gather_into_tensor(every, mine, group=self.dp_group)
+            else:
+                every = mine
+            n = flats[0].numel()
+            acc = every[:n].clone()
+            for r in range(1, self.num_replicas):  # replica order, left to right
+                acc += every[r * n : (r + 1) * n]
+        else:
+            acc = flats[0].clone()
+            for f in flats[1:]:
+                acc += f
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                dist.all_reduce(acc, group=self.dp_group)
+        acc.div_(self.num_replicas)
+        offset = 0
+        for p in self.params:
+            n = local(p).numel()
+            g = acc[offset : offset + n].view_as(local(p))
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                local(p.grad).copy_(g)
+            offset += n
+
+
+def attach(runner: StepRunner, num_replicas: int, deterministic: bool) -> None:
+    """Give ``runner`` virtual replicas (``num_replicas`` > 0), or refuse what they
+    cannot serve yet (ValueError): DTensor parameters (FSDP2, TP) and gradients that
+    FSDP2 averages."""
+    if not num_replicas:
+        return
+    if runner.averaged_by or any(isinstance(p, DTensor) for p in runner.params):
+        raise ValueError(
+            "elastic replicas (CheckpointConfig.elastic.num_replicas) take plain DP "
+            "replicas of plain parameters for now: this job has DTensor parameters "
+            "(FSDP2 or TP); run it without elastic replicas"
+        )
+    topo = runner.mesh.topology
+    k, dp = num_replicas // topo.num_dp, topo.coords(runner.mesh.rank).dp
+    hosted = range(dp * k, (dp + 1) * k)
+    runner.elastic = VirtualReplicas(
+        runner.state, runner.params, hosted=hosted, num_replicas=num_replicas,
+        deterministic=deterministic, dp_group=runner.mesh.dp_group if topo.num_dp > 1 else None,
+    )  # fmt: skip
