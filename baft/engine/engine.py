@@ -156,7 +156,7 @@ class CheckpointEngine:
             else:
                 log.warning("differential checkpoints off (full_every=1): %s", why)
         self.rotation.begin(resume_iteration, first_version, rotation_k, records)
-        saved = PlanInput.load(self.run_dir)
+        saved = PlanInput.load_for(self.run_dir, self.topology.world_size)
         if saved is not None:
             self.adoption.adopt(saved, source="saved profile")
 

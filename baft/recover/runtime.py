@@ -148,7 +148,7 @@ def _inventory_and_agree(engine: Restorable) -> Agreement:
 def _check_saved_layout(engine: Restorable) -> None:
     """Raise ValueError naming the tensors that differ unless this rank's state has the
     layout (names, sizes) saved with the run's plan input (every rank's, at plan time)."""
-    saved = PlanInput.load(engine.run_dir)
+    saved = PlanInput.load_for(engine.run_dir, engine.topology.world_size)
     tensors = saved.saved_tensors(engine.rank) if saved is not None else None
     if tensors is not None:
         engine.state.check_layout(tensors)

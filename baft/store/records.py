@@ -141,6 +141,16 @@ class PlanInput:
         path = Path(run_dir) / PLAN_INPUT_FILE
         return cls.from_json(json.loads(path.read_text())) if path.exists() else None
 
+    @classmethod
+    def load_for(cls, run_dir: str | Path, world_size: int) -> PlanInput | None:
+        """The saved inputs when a job of ``world_size`` ranks wrote them; None when none
+        were saved or another number of ranks planned (a job that shrank or grew
+        profiles again: neither its bubbles nor its layout per rank hold)."""
+        saved = cls.load(run_dir)
+        if saved is None or saved.world_size not in (None, world_size):
+            return None
+        return saved
+
     def save(self, run_dir: str | Path) -> None:
         """Atomically replace the run directory's saved inputs (call on one rank)."""
         tmp = Path(run_dir) / (PLAN_INPUT_FILE + ".tmp")
