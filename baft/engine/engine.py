@@ -166,6 +166,11 @@ class CheckpointEngine:
         return self.ck.persist.dir
 
     @property
+    def elastic_replicas(self) -> int:
+        """The job's virtual DP replicas (0: the ranks are the replicas)."""
+        return self.ck.elastic.num_replicas
+
+    @property
     def allow_fresh_start(self) -> bool:
         return self.ck.allow_fresh_start
 

@@ -94,12 +94,26 @@ def as_host_stores(stores: SnapshotStore | HostStores) -> HostStores:
     return stores if isinstance(stores, HostStores) else HostStores(stores)
 
 
+def other_dp_degree(topology: Topology, stores: list[LocatedInventory]) -> list[LocatedInventory]:
+    """The stores written by the same job under another DP degree (the same pipeline and
+    tensor-parallel sizes): what an elastic job that shrank or grew finds in memory."""
+    want = (topology.num_pp, topology.num_tp)
+    out = []
+    for loc in stores:
+        ms = [v.manifest for v in loc.inventory.versions if v.manifest is not None]
+        if ms and all((m.num_pp, m.num_tp) == want and m.num_dp != topology.num_dp for m in ms):
+            out.append(loc)
+    return out
+
+
 def agree(
     stores: SnapshotStore | HostStores,
     transport: Transport,
     topology: Topology,
     redundancy: Redundancy,
     persisted: tuple[int, ...],
+    *,
+    elastic: bool = False,
 ) -> tuple[RecoveryPlan, str, Located]:
     """Agree on a RecoveryPlan, checksumming only the bytes the plan will read.
 
@@ -117,14 +131,32 @@ def agree(
     hosts = dict(enumerate(transport.all_gather_object(host_stores.host)))
     mine = [ref for ref in host_stores.refs() if reader_of(ref, hosts) == me]
     light = [(ref, claim(inv)) for ref, inv in host_stores.inventories(mine, verify=False)]
-    located = Located(hosts, gathered(transport.all_gather_object(light)))
+    located = _readable(
+        Located(hosts, gathered(transport.all_gather_object(light))), topology, elastic, me
+    )
     plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
     problems = verify_reads(host_stores, me, plan) if plan.source == "memory" else []
     if not any(transport.all_gather_object(problems)):
         return plan, reason, located
-    located = reinventory(host_stores, transport, located)
+    located = _readable(reinventory(host_stores, transport, located), topology, elastic, me)
     plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
     return plan, reason, located
+
+
+def _readable(located: Located, topology: Topology, elastic: bool, me: int) -> Located:
+    """``located`` less the stores of another DP degree when the job's replicas are
+    elastic (which would otherwise be refused as another topology)."""
+    if elastic and (other := other_dp_degree(topology, located.stores)):
+        # Memory holds the shards of another DP degree, which this job cannot read yet:
+        # the DCP tier serves a shrink or a grow (elastic replicas keep one layout).
+        if me == 0:
+            log.warning(
+                "elastic replicas: the stores in memory (%s) were written under another DP "
+                "degree than this job's %d; restoring from the DCP checkpoint instead",
+                ", ".join(str(loc.store) for loc in other[:4]), topology.num_dp,
+            )  # fmt: skip
+        return Located(located.hosts, [loc for loc in located.stores if loc not in other])
+    return located
 
 
 def reinventory(stores: HostStores, transport: Transport, located: Located) -> Located:

@@ -136,7 +136,8 @@ def _inventory_and_agree(engine: Restorable) -> Agreement:
     persisted = _persisted(engine.persist_dir)
     stores = HostStores(engine.store, engine.location or host_id())
     args = (engine.transport, engine.topology, engine.redundancy)
-    plan, reason, located = agree(stores, *args, persisted)
+    elastic = bool(getattr(engine, "elastic_replicas", 0))
+    plan, reason, located = agree(stores, *args, persisted, elastic=elastic)
     window = None
     if plan.source == "memory":
         plan, reason, window = agree_window(stores, *args, located, plan, reason, persisted)

@@ -173,3 +173,19 @@ def test_shrink_and_grow_through_dcp_stay_on_the_trajectory(gloo, tmp_path: Path
     for it in range(grown[0]["start"], ITERATIONS):
         for rank in range(4):
             assert grown[rank][it][0] == ref[rank][it][0], (it, rank)
+
+
+def test_shrink_with_the_old_stores_in_memory_restores_from_dcp(gloo, tmp_path: Path) -> None:
+    """The survivors find shards of the 4-rank job in memory (another DP degree): they
+    restore from DCP, say so, and later restores of the 2-rank job come from memory."""
+    ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, ITERATIONS, False), timeout_s=240)
+    root = str(tmp_path / "job")
+    gloo.run(_run, 4, args=(root, 0, 2, True), timeout_s=240)
+    shrunk = gloo.run(_run, 2, args=(root, 0, 4, True), timeout_s=240)
+    assert shrunk[0]["source"] == "disk", shrunk[0]
+    again = gloo.run(_run, 2, args=(root, 0, ITERATIONS, False), timeout_s=240)
+    assert again[0]["source"] == "memory" and again[0]["start"] >= 3, again[0]
+    for it in range(shrunk[0]["start"], 4):
+        assert [shrunk[pp][it][0] for pp in range(2)] == [ref[2 * pp][it][0] for pp in range(2)]
+    for it in range(again[0]["start"], ITERATIONS):
+        assert [again[pp][it][0] for pp in range(2)] == [ref[2 * pp][it][0] for pp in range(2)]
