@@ -39,6 +39,7 @@ it too. It wires restore -> engine once and keeps the run's one progress record.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import logging
 import sys
@@ -436,6 +437,14 @@ def _protect_on(
     ck = copy.deepcopy(checkpoint) if checkpoint is not None else CheckpointConfig()
     ck.store.job_id = ck.store.job_id or default_job_id(run_dir)
     ck.persist.dir = ck.persist.dir or str(Path(run_dir) / "checkpoints")
+    if ck.elastic.num_replicas:  # a job resized to fewer hosts than its code needs
+        red, every, why = elastic.protection(
+            ck.policy.redundancy, ck.policy.persist_every, mesh.topology
+        )
+        if why:
+            if mesh.rank == 0:
+                log.warning("%s", why)
+            ck.policy = dataclasses.replace(ck.policy, redundancy=red, persist_every=every)
     ck.validate(mesh.topology)
     replicas = dist.get_process_group_ranks(mesh.dp_group)
     check_no_sharded_replicas(modules, optimizer, replicas)

@@ -38,7 +38,7 @@ for every ``dp``: a restore after a shrink or a grow finds every replica's recor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -225,3 +225,26 @@ def attach(runner: StepRunner, num_replicas: int, deterministic: bool) -> None:
         runner.state, runner.params, hosted=hosted, num_replicas=num_replicas,
         deterministic=deterministic, dp_group=runner.mesh.dp_group if topo.num_dp > 1 else None,
     )  # fmt: skip
+
+
+def protection(redundancy: str, persist_every: int, topology: Any) -> tuple[str, int, str]:
+    """The redundancy and persist cadence an elastic job runs with on ``topology``:
+    as configured when its coding groups fit the nodes left; otherwise the widest code
+    that fits (``none`` on one node) and a DCP checkpoint of every version until the job
+    grows back, with the warning to log (empty when nothing changed)."""
+    from baft.store.coding import coding_groups
+    from baft.store.policy import Redundancy
+
+    try:
+        coding_groups(topology, Redundancy.parse(redundancy))
+        return redundancy, persist_every, ""
+    except ValueError:
+        pass
+    nodes = topology.num_nodes
+    fallback = f"replicate:{nodes - 1}" if nodes > 1 else "none"
+    why = (
+        f"elastic replicas: {redundancy} needs more nodes than the {nodes} this job runs on "
+        f"now; protecting with {fallback}, which cannot survive losing another host, and "
+        "persisting every version to DCP until the job grows back"
+    )
+    return fallback, 1, why
