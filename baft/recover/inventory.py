@@ -94,18 +94,6 @@ def as_host_stores(stores: SnapshotStore | HostStores) -> HostStores:
     return stores if isinstance(stores, HostStores) else HostStores(stores)
 
 
-def other_dp_degree(topology: Topology, stores: list[LocatedInventory]) -> list[LocatedInventory]:
-    """The stores written by the same job under another DP degree (the same pipeline and
-    tensor-parallel sizes): what an elastic job that shrank or grew finds in memory."""
-    want = (topology.num_pp, topology.num_tp)
-    out = []
-    for loc in stores:
-        ms = [v.manifest for v in loc.inventory.versions if v.manifest is not None]
-        if ms and all((m.num_pp, m.num_tp) == want and m.num_dp != topology.num_dp for m in ms):
-            out.append(loc)
-    return out
-
-
 def agree(
     stores: SnapshotStore | HostStores,
     transport: Transport,
@@ -113,7 +101,7 @@ def agree(
     redundancy: Redundancy,
     persisted: tuple[int, ...],
     *,
-    elastic: bool = False,
+    elastic: int = 0,
 ) -> tuple[RecoveryPlan, str, Located]:
     """Agree on a RecoveryPlan, checksumming only the bytes the plan will read.
 
@@ -124,6 +112,8 @@ def agree(
     If all of that is clean the plan stands; otherwise round 2 verifies everything and
     plans again. A rank crash thus checks one shard per rank instead of both slots of
     data and redundancy (4x fewer bytes), and a bad byte still never gets through.
+    ``elastic``: the job's virtual replicas (0: none); with them, memory written under
+    another DP degree is restored too (``located.resize``, :mod:`baft.recover.resize`).
     Collective over ``transport``.
     """
     host_stores = as_host_stores(stores)
@@ -131,32 +121,51 @@ def agree(
     hosts = dict(enumerate(transport.all_gather_object(host_stores.host)))
     mine = [ref for ref in host_stores.refs() if reader_of(ref, hosts) == me]
     light = [(ref, claim(inv)) for ref, inv in host_stores.inventories(mine, verify=False)]
-    located = _readable(
-        Located(hosts, gathered(transport.all_gather_object(light))), topology, elastic, me
-    )
-    plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
-    problems = verify_reads(host_stores, me, plan) if plan.source == "memory" else []
-    if not any(transport.all_gather_object(problems)):
-        return plan, reason, located
-    located = _readable(reinventory(host_stores, transport, located), topology, elastic, me)
-    plan, reason = coordinate_located(topology, redundancy, located.stores, hosts, persisted)
+    located = Located(hosts, gathered(transport.all_gather_object(light)))
+    for verify in (False, True):
+        if verify:
+            located = reinventory(host_stores, transport, Located(hosts, located.stores))
+        if elastic:
+            located = resized(located, topology, elastic, me)
+        topo, red = sizes(located, topology, redundancy)
+        plan, reason = coordinate_located(topo, red, located.stores, located.hosts, persisted)
+        if located.resize is not None and plan.source == "memory":
+            reason += f" ({located.resize.describe(topology)})"
+        if verify or plan.source != "memory":
+            break
+        problems = [p for r in playing(located, me) for p in verify_reads(host_stores, r, plan)]
+        if not any(transport.all_gather_object(problems)):
+            break
     return plan, reason, located
 
 
-def _readable(located: Located, topology: Topology, elastic: bool, me: int) -> Located:
-    """``located`` less the stores of another DP degree when the job's replicas are
-    elastic (which would otherwise be refused as another topology)."""
-    if elastic and (other := other_dp_degree(topology, located.stores)):
-        # Memory holds the shards of another DP degree, which this job cannot read yet:
-        # the DCP tier serves a shrink or a grow (elastic replicas keep one layout).
-        if me == 0:
-            log.warning(
-                "elastic replicas: the stores in memory (%s) were written under another DP "
-                "degree than this job's %d; restoring from the DCP checkpoint instead",
-                ", ".join(str(loc.store) for loc in other[:4]), topology.num_dp,
-            )  # fmt: skip
-        return Located(located.hosts, [loc for loc in located.stores if loc not in other])
-    return located
+def playing(located: Located, rank: int) -> list[int]:
+    """The ranks of the plans that current rank ``rank`` acts for: itself, or after a
+    resize the logical ranks it plays."""
+    return located.resize.played_by(rank) if located.resize is not None else [rank]
+
+
+def sizes(
+    located: Located, topology: Topology, redundancy: Redundancy
+) -> tuple[Topology, Redundancy]:
+    """The topology and redundancy the coordinator plans under: the job's, or after a
+    resize the old job's."""
+    if located.resize is not None:
+        return located.resize.old, located.resize.redundancy
+    return topology, redundancy
+
+
+def resized(located: Located, topology: Topology, replicas: int, me: int) -> Located:
+    """Elastic replicas: only the stores of the DP degree holding the newest version,
+    and the resize when that is not the job's (:func:`baft.recover.resize.plan_resize`)."""
+    from baft.recover.resize import plan_resize
+
+    resize, kept, note = plan_resize(topology, replicas, located.stores, located.hosts)
+    if note and me == 0:
+        log.warning("elastic replicas: %s", note)
+    if resize is None:
+        return Located(located.hosts, kept)
+    return Located(dict(resize.hosts), kept, resize)
 
 
 def reinventory(stores: HostStores, transport: Transport, located: Located) -> Located:

@@ -25,8 +25,14 @@ from baft.recover.coordinator import RecoveryPlan
 from baft.recover.differential import DeferredState, RestoreError, rebuild_from_payloads
 from baft.recover.inventory import HostStores
 from baft.recover.reshard import load_resharded
+from baft.recover.resize import Resize
 from baft.recover.restorable import Restorable
-from baft.recover.transfer import exchange_replicas, rebuild_shard
+from baft.recover.transfer import (
+    assemble_resized,
+    exchange_replicas,
+    rebuild_shard,
+    rebuild_shards,
+)
 from baft.recover.window import Window
 from baft.store.disk import load_version, read_metadata, version_dir
 from baft.store.keys import loading_keys
@@ -35,27 +41,67 @@ from baft.store.keys import loading_keys
 def load_from_shards(engine: Restorable, plan: RecoveryPlan, shard: np.ndarray) -> None:
     """Assemble the full flat state from the DP replicas' shards and load it. Collective."""
     replicas = engine.topology.replicas(engine.rank)
-    total = sum(plan.shard_nbytes[r] for r in replicas)
-    flat = engine.flat
-    if total != flat.nbytes:
-        raise RestoreError(
-            f"rank {engine.rank}: shards of v{plan.version} cover {total} bytes, "
-            f"state has {flat.nbytes}"
-        )
+    _check_total(engine, plan, [plan.shard_nbytes[r] for r in replicas], engine.flat.nbytes)
     with torch.no_grad():  # straight into the live tensors
         exchange_replicas(
-            engine.transport, engine.topology, engine.rank, plan, shard, flat.write_from
+            engine.transport, engine.topology, engine.rank, plan, shard, engine.flat.write_from
         )
     engine.apply_small_state()
 
 
-def rebuild_payload(engine: Restorable, stores: HostStores, plan: RecoveryPlan) -> torch.Tensor:
+def load_resized(
+    engine: Restorable, stores: HostStores, resize: Resize, plan: RecoveryPlan
+) -> None:
+    """After a resize (:mod:`baft.recover.resize`): rebuild the shards of the logical ranks
+    this rank plays, assemble its stage's flat state from its stage's logical shards and
+    load it. Collective."""
+    shards = _played_shards(engine, stores, resize, plan)
+    lgs = resize.stage_shards(engine.topology, engine.rank)
+    _check_total(engine, plan, [plan.shard_nbytes[lg] for lg in lgs], engine.flat.nbytes)
+    with torch.no_grad():
+        assemble_resized(
+            engine.transport, engine.topology, resize, engine.rank, plan, shards,
+            engine.flat.write_from,
+        )  # fmt: skip
+    engine.apply_small_state()
+
+
+def _played_shards(
+    engine: Restorable, stores: HostStores, resize: Resize, plan: RecoveryPlan
+) -> dict[int, np.ndarray]:
+    played = resize.played_by(engine.rank)
+    return rebuild_shards(stores, engine.transport, played, plan, resize.to_physical)
+
+
+def _check_total(engine: Restorable, plan: RecoveryPlan, sizes: list[int], nbytes: int) -> None:
+    if sum(sizes) != nbytes:
+        raise RestoreError(
+            f"rank {engine.rank}: shards of v{plan.version} cover {sum(sizes)} bytes, "
+            f"state has {nbytes}"
+        )
+
+
+def rebuild_payload(
+    engine: Restorable, stores: HostStores, plan: RecoveryPlan, resize: Resize | None = None
+) -> torch.Tensor:
     """The whole stage's payload of ``plan.version``: this rank's shard (local, replica or
-    decoded) and the DP replicas' shares, assembled. Collective.
+    decoded) and the DP replicas' shares, assembled (after a resize: the shards of the
+    old job's ranks of this stage). Collective.
 
     A rank that is its stage's only replica holds the whole payload in its shard: that
     is returned as it is (for a local shard, a view of the store's read mapping, which is
     private: nothing written into it reaches the store), not copied into a new buffer."""
+    def write(pos: int, piece: torch.Tensor) -> None:
+        out[pos : pos + piece.numel()].copy_(piece)
+
+    if resize is not None:
+        shards = _played_shards(engine, stores, resize, plan)
+        lgs = resize.stage_shards(engine.topology, engine.rank)
+        out = torch.empty(sum(plan.shard_nbytes[lg] for lg in lgs), dtype=torch.uint8)
+        assemble_resized(
+            engine.transport, engine.topology, resize, engine.rank, plan, shards, write
+        )
+        return out
     shard = rebuild_shard(stores, engine.transport, engine.rank, plan)
     replicas = engine.topology.replicas(engine.rank)
     if replicas == (engine.rank,):
@@ -67,10 +113,6 @@ def rebuild_payload(engine: Restorable, stores: HostStores, plan: RecoveryPlan) 
         return torch.from_numpy(shard)
     total = sum(plan.shard_nbytes[r] for r in replicas)
     out = torch.empty(total, dtype=torch.uint8)
-
-    def write(pos: int, piece: torch.Tensor) -> None:
-        out[pos : pos + piece.numel()].copy_(piece)
-
     exchange_replicas(engine.transport, engine.topology, engine.rank, plan, shard, write)
     return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from baft.errors import Refusal
 from baft.store.coding import GroupLayout, Recipe
@@ -63,6 +64,9 @@ class Located:
 
     hosts: dict[int, str]
     stores: list[LocatedInventory]
+    resize: Any = None
+    """A restore into another DP degree (:class:`baft.recover.resize.Resize`): then
+    ``hosts`` are the logical (old) ranks' and the plans name logical ranks."""
 
     def holds_shards(self) -> bool:
         """Whether any store holds any version of the job (complete or not)."""

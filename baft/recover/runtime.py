@@ -40,8 +40,14 @@ from baft.liveness.generation import recovery_phases
 from baft.liveness.watchdog import attempt_key
 from baft.recover.coordinator import Located, RecoveryPlan
 from baft.recover.identity import check_identity, layout_key, shard_records
-from baft.recover.inventory import HostStores, agree, reclaim_stores
-from baft.recover.load import load_from_disk, load_from_shards, load_window, rebuild_payload
+from baft.recover.inventory import HostStores, agree, reclaim_stores, sizes
+from baft.recover.load import (
+    load_from_disk,
+    load_from_shards,
+    load_resized,
+    load_window,
+    rebuild_payload,
+)
 from baft.recover.report import RecoveryReport, completed_iterations, report_hang
 from baft.recover.reshard import layout_change
 from baft.recover.restorable import Restorable
@@ -102,9 +108,12 @@ def recover_and_start(
     if engine.injector is not None:
         engine.injector.fire("recovery", plan.version or 0)
     _rebuild_and_load(engine, agreed, report, resharded=reshard is not None)
+    resize = agreed.located.resize
     reclaimed = reclaim_stores(
-        agreed.stores, engine.transport, engine.topology, plan, agreed.located
-    )
+        agreed.stores, engine.transport, engine.topology,
+        plan if resize is None else RecoveryPlan(version=None, source="disk"),
+        agreed.located if resize is None else Located(dict(resize.physical_hosts), []),
+    )  # fmt: skip
     resume = plan.version or 0
     _fill_report(report, engine, agreed, reclaimed, run_dir, t_launch=t_launch, t_rdzv=t_rdzv)
     if engine.rank == 0:
@@ -112,11 +121,12 @@ def recover_and_start(
     agreed.stores.drop_read_caches()
     window = agreed.window
     t_start = time.time()
+    resumed = plan.source == "memory" and resize is None  # its versions stay committed
     engine.start(
         resume,
-        restored_version=plan.version if plan.source == "memory" else None,
-        first_version=window.first_version if window is not None else None,
-        rotation_k=window.k if window is not None else None,
+        restored_version=plan.version if resumed else None,
+        first_version=window.first_version if window is not None and resumed else None,
+        rotation_k=window.k if window is not None and resumed else None,
     )
     report.phase("engine_start", time.time() - t_start)
     report.first_iteration_started()
@@ -136,11 +146,16 @@ def _inventory_and_agree(engine: Restorable) -> Agreement:
     persisted = _persisted(engine.persist_dir)
     stores = HostStores(engine.store, engine.location or host_id())
     args = (engine.transport, engine.topology, engine.redundancy)
-    elastic = bool(getattr(engine, "elastic_replicas", 0))
+    elastic = int(getattr(engine, "elastic_replicas", 0))
     plan, reason, located = agree(stores, *args, persisted, elastic=elastic)
     window = None
-    if plan.source == "memory":
-        plan, reason, window = agree_window(stores, *args, located, plan, reason, persisted)
+    if plan.source == "memory":  # after a resize, planned for the old job's ranks
+        topo, red = sizes(located, engine.topology, engine.redundancy)
+        plan, reason, window = agree_window(
+            stores, engine.transport, topo, red, located, plan, reason, persisted
+        )
+        if window is not None and located.resize is not None:
+            reason += f" ({located.resize.describe(engine.topology)})"
     agreed = Agreement(stores, plan, reason, located, window)
     agreed.seconds["inventory"] = time.time() - t0
     return agreed
@@ -193,14 +208,21 @@ def _rebuild_and_load(
     plan, window = agreed.plan, agreed.window
     t1 = time.time()
     t_transfer = 0.0
+    resize = agreed.located.resize
     if window is not None:  # differential: every payload of the window, then replay
         stores = agreed.stores
-        payloads = {int(p.version or 0): rebuild_payload(engine, stores, p) for p in window.plans}
+        payloads = {
+            int(p.version or 0): rebuild_payload(engine, stores, p, resize) for p in window.plans
+        }
         t_transfer = time.time() - t1
         try:
             report.record["replay"] = load_window(engine, window, payloads)
         finally:  # the replay may write into its records (read mappings' private pages)
             stores.drop_read_caches()  # so a later read maps the store afresh
+    elif plan.source == "memory" and resize is not None:
+        load_resized(engine, agreed.stores, resize, plan)
+    if resize is not None:  # the old job's versions cannot mix with this job's
+        engine.forget_versions()
     elif plan.source == "memory":
         shard = rebuild_shard(agreed.stores, engine.transport, engine.rank, plan)
         t_transfer = time.time() - t1

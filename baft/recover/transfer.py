@@ -13,7 +13,7 @@ A peer that dies mid-transfer makes a wait raise; it is re-raised as a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from baft.engine.transport import Handle, Transport
 from baft.recover.coordinator import RecoveryPlan
 from baft.recover.differential import RestoreError
 from baft.recover.inventory import HostStores, as_host_stores
+from baft.recover.resize import Resize
 from baft.store.shm import SnapshotStore, StoreReadError
 from baft.topology import Topology
 
@@ -41,31 +42,48 @@ def rebuild_shard(
     Collective over ``transport`` (tags = position in ``plan.transfers``). A peer that dies
     mid-transfer makes the wait raise (the transport's timeout or its failure signal),
     re-raised as a :class:`RestoreError` naming the transfer."""
+    return rebuild_shards(stores, transport, [rank], plan)[rank]
+
+
+def rebuild_shards(
+    stores: SnapshotStore | HostStores,
+    transport: Transport,
+    ranks: Sequence[int],
+    plan: RecoveryPlan,
+    to_physical: Mapping[int, int] | None = None,
+) -> dict[int, np.ndarray]:
+    """The shards of ``plan.version`` of the plan's ``ranks`` this process acts for (its
+    own rank; after a resize, the logical ranks it plays, ``to_physical`` mapping every
+    plan rank to the current rank playing it): every transfer between two of them stays
+    in this process, the others move on ``transport``. Collective, as
+    :func:`rebuild_shard`."""
     host_stores = as_host_stores(stores)
+    mine = set(ranks)
+    where = (lambda r: r) if to_physical is None else to_physical.__getitem__
     handles = []
     received: dict[int, np.ndarray] = {}
     for tag, t in enumerate(plan.transfers):
-        if t.src_rank == rank:
+        if t.src_rank in mine:
             kind = "data" if t.kind == "shard" else "red"
             src = _read(host_stores.get(t.src_store), t.src_slot, kind, t.offset, t.nbytes)
-            if t.dst_rank == rank:  # a store on this rank's own host: no message
+            if t.dst_rank in mine:  # a store on this process's host: no message
                 received[tag] = src
                 continue
             buf = torch.from_numpy(src)
-            handles.append((transport.isend(buf, t.dst_rank, tag), t))
-        elif t.dst_rank == rank:
+            handles.append((transport.isend(buf, where(t.dst_rank), tag), t))
+        elif t.dst_rank in mine:
             rbuf = torch.empty(t.nbytes, dtype=torch.uint8)
-            handles.append((transport.irecv(rbuf, t.src_rank, tag), t))
+            handles.append((transport.irecv(rbuf, where(t.src_rank), tag), t))
             received[tag] = rbuf.numpy()
     for h, t in handles:
         try:
             h.wait()
         except Exception as e:  # noqa: BLE001 - re-raised with the transfer named
             raise RestoreError(
-                f"rank {rank}: {t.kind} transfer of v{plan.version} rank {t.src_rank} -> "
-                f"rank {t.dst_rank} ({t.nbytes} B) failed: {e}"
+                f"rank {sorted(mine)}: {t.kind} transfer of v{plan.version} rank {t.src_rank} "
+                f"-> rank {t.dst_rank} ({t.nbytes} B) failed: {e}"
             ) from e
-    return _assemble(host_stores, rank, plan, received)
+    return {r: _assemble(host_stores, r, plan, received) for r in ranks}
 
 
 def _assemble(
@@ -177,3 +195,39 @@ def _wait(handle: Handle, rank: int, what: str, plan: RecoveryPlan) -> None:
         raise RestoreError(
             f"rank {rank}: DP exchange ({what}) of v{plan.version} failed: {e}"
         ) from e
+
+
+def assemble_resized(
+    transport: Transport,
+    topology: Topology,
+    resize: Resize,
+    rank: int,
+    plan: RecoveryPlan,
+    shards: Mapping[int, np.ndarray],
+    write: Callable[[int, torch.Tensor], None],
+) -> int:
+    """After a resize: this rank's full flat state from the logical shards of its
+    ``(pp, tp)`` in the old job's dp order, ``write(position, bytes)`` each; ``shards``:
+    those this rank played. Every rank sends the shards it played to the other current
+    ranks of its stage, point to point (tags after the plan's transfers, one per logical
+    rank). Returns the bytes written."""
+    base = len(plan.transfers)
+    peers = [q for q in topology.replicas(rank) if q != rank]
+    sends = [
+        (transport.isend(torch.from_numpy(shard), q, base + lg), q)
+        for lg, shard in sorted(shards.items())
+        for q in peers
+    ]
+    pos = 0
+    for lg in resize.stage_shards(topology, rank):
+        holder = resize.to_physical[lg]
+        if holder == rank:
+            piece = torch.from_numpy(shards[lg])
+        else:
+            piece = torch.empty(plan.shard_nbytes[lg], dtype=torch.uint8)
+            _wait(transport.irecv(piece, holder, base + lg), rank, f"shard of rank {lg}", plan)
+        write(pos, piece)
+        pos += piece.numel()
+    for h, q in sends:
+        _wait(h, rank, f"shards to rank {q}", plan)
+    return pos

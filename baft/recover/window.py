@@ -14,7 +14,7 @@ import dataclasses
 
 from baft.engine.transport import Transport
 from baft.recover.coordinator import Located, LocatedInventory, RecoveryPlan, coordinate_located
-from baft.recover.inventory import HostStores, reinventory, verify_reads
+from baft.recover.inventory import HostStores, playing, reinventory, resized, verify_reads
 from baft.store.coding import Redundancy
 from baft.store.records import DiffMeta
 from baft.topology import Topology
@@ -107,9 +107,15 @@ def agree_window(
         return plan, reason, None
     window, why = window_plans(topology, redundancy, located, plan.version)
     if window is not None:
-        problems = [m for p in window.plans for m in verify_reads(stores, transport.rank, p)]
+        ranks = playing(located, transport.rank)
+        problems = [m for p in window.plans for r in ranks for m in verify_reads(stores, r, p)]
         if any(transport.all_gather_object(problems)):
-            located = reinventory(stores, transport, located)
+            resize = located.resize
+            if resize is None:
+                located = reinventory(stores, transport, located)
+            else:  # inventoried by the current ranks, planned for the logical ones
+                phys = reinventory(stores, transport, Located(dict(resize.physical_hosts), []))
+                located = resized(phys, resize.new, resize.num_replicas, transport.rank)
             window, why = window_plans(topology, redundancy, located, plan.version)
     if window is not None:
         v = window.plans[-1]

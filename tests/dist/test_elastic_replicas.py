@@ -74,11 +74,11 @@ def _build(world: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _protect(s: dict[str, Any], root: str) -> Any:
+def _protect(s: dict[str, Any], root: str, full_every: int = 1) -> Any:
     import baft
 
     ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(redundancy="xor:2", persist_every=1, full_every=1),
+        policy=baft.CheckpointPolicy(redundancy="xor:2", persist_every=1, full_every=full_every),
         profile_iters=1,
         cost={"copy_Bps": 1e9},
         store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="el", keep_on_close=False),
@@ -99,14 +99,18 @@ def _body(s: dict[str, Any], r: int) -> None:
         s["schedule"].step(target=y)
 
 
-def _run(rank: int, world: int, root: str, start_at: int, stop_at: int, keep: bool) -> Any:
+def _run(
+    rank: int, world: int, root: str, start_at: int, stop_at: int, keep: bool, full_every: int = 1
+) -> Any:
     s = _build(world)
-    ft = _protect(s, root)
+    ft = _protect(s, root, full_every)
     if keep:
         ft.checkpoint.store.keep_on_close = True
     start = ft.restore()
-    source = ft.recovery.record["source"] if ft.recovery is not None else "fresh"
-    out: dict[str, Any] = {"start": start, "source": source}
+    record = ft.recovery.record if ft.recovery is not None else {}
+    out: dict[str, Any] = {
+        "start": start, "source": record.get("source", "fresh"), "reason": record.get("reason"),
+    }  # fmt: skip
     for it in range(start, stop_at):
         s["opt"].zero_grad()
         replicas = []
@@ -175,17 +179,21 @@ def test_shrink_and_grow_through_dcp_stay_on_the_trajectory(gloo, tmp_path: Path
             assert grown[rank][it][0] == ref[rank][it][0], (it, rank)
 
 
-def test_shrink_with_the_old_stores_in_memory_restores_from_dcp(gloo, tmp_path: Path) -> None:
-    """The survivors find shards of the 4-rank job in memory (another DP degree): they
-    restore from DCP, say so, and later restores of the 2-rank job come from memory."""
-    ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, ITERATIONS, False), timeout_s=240)
+@pytest.mark.parametrize("full_every", [1, 2])
+def test_shrink_and_grow_from_memory(gloo, tmp_path: Path, full_every: int) -> None:
+    """4 ranks -> 2 -> 4 with the stores in memory: each resize rebuilds the old job's
+    shards (as its restart would) and assembles them for the new DP degree; the
+    trajectory is the unchanged run's."""
+    ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, 9, False, 1), timeout_s=240)
     root = str(tmp_path / "job")
-    gloo.run(_run, 4, args=(root, 0, 2, True), timeout_s=240)
-    shrunk = gloo.run(_run, 2, args=(root, 0, 4, True), timeout_s=240)
-    assert shrunk[0]["source"] == "disk", shrunk[0]
-    again = gloo.run(_run, 2, args=(root, 0, ITERATIONS, False), timeout_s=240)
-    assert again[0]["source"] == "memory" and again[0]["start"] >= 3, again[0]
-    for it in range(shrunk[0]["start"], 4):
+    gloo.run(_run, 4, args=(root, 0, 4, True, full_every), timeout_s=240)
+    shrunk = gloo.run(_run, 2, args=(root, 0, 6, True, full_every), timeout_s=240)
+    assert shrunk[0]["source"] == "memory" and shrunk[0]["start"] >= 2, shrunk[0]
+    assert "shards of dp=2 (pp=2, tp=1, xor:2) rebuilt for dp=1" in shrunk[0]["reason"]
+    grown = gloo.run(_run, 4, args=(root, 0, 9, False, full_every), timeout_s=240)
+    assert grown[0]["source"] == "memory" and grown[0]["start"] >= 4, grown[0]
+    assert "rebuilt for dp=2" in grown[0]["reason"], grown[0]
+    for it in range(shrunk[0]["start"], 6):
         assert [shrunk[pp][it][0] for pp in range(2)] == [ref[2 * pp][it][0] for pp in range(2)]
-    for it in range(again[0]["start"], ITERATIONS):
-        assert [again[pp][it][0] for pp in range(2)] == [ref[2 * pp][it][0] for pp in range(2)]
+    for it in range(grown[0]["start"], 9):
+        assert [grown[r][it][0] for r in range(4)] == [ref[r][it][0] for r in range(4)], it
