@@ -190,9 +190,7 @@ class StepRunner:
         (``baft.protect`` gathers them; empty when nobody did): what each shard of a
         checkpoint records, and a restore checks before it writes."""
         self.last_step: StepResult | None = None
-        self.elastic: Any = None
-        """The virtual replicas (:class:`baft.pipeline.elastic.VirtualReplicas`) when the
-        job's DP replicas are elastic, else None."""
+        self.elastic: Any = None  # VirtualReplicas (baft.pipeline.elastic) or None
         self._tl: IterationTimeline | None = None
         self._losses: list[torch.Tensor] = []
         self._averaged = False

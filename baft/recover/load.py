@@ -91,6 +91,7 @@ def rebuild_payload(
     A rank that is its stage's only replica holds the whole payload in its shard: that
     is returned as it is (for a local shard, a view of the store's read mapping, which is
     private: nothing written into it reaches the store), not copied into a new buffer."""
+
     def write(pos: int, piece: torch.Tensor) -> None:
         out[pos : pos + piece.numel()].copy_(piece)
 
