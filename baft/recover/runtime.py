@@ -114,6 +114,8 @@ def recover_and_start(
         plan if resize is None else RecoveryPlan(version=None, source="disk"),
         agreed.located if resize is None else Located(dict(resize.physical_hosts), []),
     )  # fmt: skip
+    if resize is not None:  # after the reclaim's barrier: every rank has read its shards
+        engine.forget_versions()  # the old job's versions cannot mix with this job's
     resume = plan.version or 0
     _fill_report(report, engine, agreed, reclaimed, run_dir, t_launch=t_launch, t_rdzv=t_rdzv)
     if engine.rank == 0:
@@ -221,8 +223,6 @@ def _rebuild_and_load(
             stores.drop_read_caches()  # so a later read maps the store afresh
     elif plan.source == "memory" and resize is not None:
         load_resized(engine, agreed.stores, resize, plan)
-    if resize is not None:  # the old job's versions cannot mix with this job's
-        engine.forget_versions()
     elif plan.source == "memory":
         shard = rebuild_shard(agreed.stores, engine.transport, engine.rank, plan)
         t_transfer = time.time() - t1

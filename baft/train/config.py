@@ -162,6 +162,14 @@ class TrainConfig:
                 "compute=real with --dp-shard, or --dp-shard 1"
             )
         self.parallel.validate(self.model, self.global_batch)
+        replicas = self.checkpoint.elastic.num_replicas if self.checkpoint is not None else 0
+        split = replicas * self.parallel.num_dp_shard * self.parallel.num_microbatches
+        if replicas and self.global_batch % split:
+            raise ValueError(
+                f"--batch {self.global_batch} must split evenly into {replicas} elastic "
+                f"replicas x {self.parallel.num_dp_shard} shards x "
+                f"{self.parallel.num_microbatches} microbatches"
+            )
         if self.checkpoint is not None:
             from baft.topology import Topology
 

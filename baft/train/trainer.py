@@ -155,18 +155,44 @@ class Trainer:
         c, par = self.mesh.coords, self.cfg.parallel
         return c.dp * par.num_dp_shard + c.tp // par.num_tp
 
-    def batch(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's inputs and targets of ``iteration`` (a pure function of it)."""
+    def batch(
+        self, iteration: int, replica: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's inputs and targets of ``iteration`` (a pure function of it); with
+        elastic replicas, those of virtual replica ``replica``."""
         self.data.position = iteration
-        x, y = self.data.next_batch(self.data_rank, self.cfg.parallel.num_data_ranks)
+        par = self.cfg.parallel
+        rank, ranks = self.data_rank, par.num_data_ranks
+        if replica is not None:  # the same slice whichever rank computes the replica
+            shard = self.mesh.coords.tp // par.num_tp
+            rank, ranks = replica * par.num_dp_shard + shard, self.elastic * par.num_dp_shard
+        x, y = self.data.next_batch(rank, ranks)
         return x.to(self.mesh.device), y.to(self.mesh.device)
 
+    @property
+    def elastic(self) -> int:
+        """The run's elastic replicas (0: its DP ranks are the replicas)."""
+        ck = self.cfg.checkpoint
+        return ck.elastic.num_replicas if ck is not None and self.ft is not None else 0
+
     def train_step(self, iteration: int) -> StepResult:
-        """Iteration ``iteration`` through the public door (``Protected.step``), or on the
-        runner of a run without checkpoints."""
+        """Iteration ``iteration`` through the public door (``Protected.step``, or with
+        elastic replicas the loop over ``ft.replicas()``), or on the runner of a run
+        without checkpoints."""
         if self.ft is None:
             return self.run_step(iteration)
-        self.ft.step(iteration, *self.batch(iteration))
+        if self.elastic:
+            self.optimizer.zero_grad(set_to_none=True)
+            first, last = (
+                self.runner.protected.has_first_stage,
+                self.runner.protected.has_last_stage,
+            )
+            for r in self.ft.replicas():  # through the schedule's step, as a user's loop
+                x, y = self.batch(iteration, r)
+                self.schedule.step(*((x,) if first else ()), **({"target": y} if last else {}))
+            self.optimizer.step()
+        else:
+            self.ft.step(iteration, *self.batch(iteration))
         assert self.ft.last_step is not None
         return self.ft.last_step
 

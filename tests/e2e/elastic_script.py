@@ -12,7 +12,7 @@ Each stage is a fresh ``nn.Sequential`` with dropout (each replica's RNG), AdamW
 LR schedule (the job's), gradient clipping, and a sampler per replica whose position is
 in ``state=`` (swapped by ``ft.replicas()``). ``--unprotected`` runs the same loop
 without baft (each rank one replica, an all-reduce average: for 2 replicas the same bits
-as baft's deterministic reduction). Every rank appends ``{"it", "world", "digest"}`` per
+as baft's deterministic reduction). Every rank appends ``{"it", "world", "digest", "t"}`` per
 iteration to ``OUT/trace.pp{p}.jsonl`` (one file per stage: the ranks of a stage hold the
 same bytes) and rank 0 of each stage writes ``OUT/final.pp{p}.json`` at the end.
 ``--sleep S`` slows each iteration so that a fault from outside lands mid-run.
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--sleep", type=float, default=0.0)
-    ap.add_argument("--persist-every", type=int, default=1)
+    ap.add_argument("--persist-every", type=int, default=50)
     ap.add_argument("--unprotected", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -125,9 +125,8 @@ def main() -> None:
         lr.step()
         if dp == 0:
             with (out / f"trace.pp{pp}.jsonl").open("a") as f:
-                f.write(
-                    json.dumps({"it": it, "world": world, "digest": digest(module, opt)}) + "\n"
-                )
+                rec = {"it": it, "world": world, "digest": digest(module, opt), "t": time.time()}
+                f.write(json.dumps(rec) + "\n")
         time.sleep(args.sleep)
     if ft is not None:
         ft.close()
