@@ -6,9 +6,9 @@ and run by ``baft_bench.command.measure_overhead``: one torchrun job, a table (o
 JSON object with ``--json``) on stdout and
 ``benchmarks/results/overhead-<compute>-<date>.md`` with a boxplot PNG next to it.
 ``recovery`` and ``scale`` parse their flags here and run ``baft_bench.recovery`` and
-``baft_bench.scale``; ``goodput`` and ``sweep`` register their own flags
-(``baft_bench.goodput``, ``baft_bench.sweep``). The harness lives outside the ``baft`` package and parses its own
-arguments.
+``baft_bench.scale``; ``goodput``, ``sweep`` and ``reduction`` register their own flags
+(``baft_bench.goodput``, ``baft_bench.sweep``, ``baft_bench.reduction``). The harness
+lives outside the ``baft`` package and parses its own arguments.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import baft_bench.goodput as goodput_bench
 import baft_bench.recovery as recovery_bench
+import baft_bench.reduction as reduction_bench
 import baft_bench.scale as scale_bench
 import baft_bench.sweep as sweep_bench
 from baft_bench.overhead import ALL_MODES, OverheadConfig
@@ -48,7 +49,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    """Add ``overhead``, ``recovery`` and ``scale`` to the ``bench`` parser."""
+    """Add ``overhead``, ``recovery``, ``scale``, ``goodput``, ``sweep`` and ``reduction`` to
+    the ``bench`` parser."""
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     d = OverheadConfig()
     p = sub.add_parser(
@@ -94,6 +96,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add_scale_parser(sub)
     goodput_bench.add_parser(sub)
     sweep_bench.add_parser(sub)
+    reduction_bench.add_parser(sub)
     parser.set_defaults(func=run_bench)
 
 
@@ -218,7 +221,8 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"baft bench: error: {exc}", file=sys.stderr)
             return 1
     print(
-        "baft bench: choose a benchmark: overhead, recovery, scale, goodput, sweep", file=sys.stderr
+        "baft bench: choose a benchmark: overhead, recovery, scale, goodput, sweep, reduction",
+        file=sys.stderr,
     )
     return 2
 
