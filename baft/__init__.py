@@ -11,7 +11,7 @@ from typing import Any
 from baft import config as _config  # no torch: records when this process imported baft
 
 _CONFIGS = tuple(_config.__all__)
-__all__ = [*_CONFIGS, "protect", "run"]
+__all__ = [*_CONFIGS, "elastic_dp", "protect", "run"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch.distributed
@@ -19,6 +19,10 @@ def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch
         from baft.api import protect
 
         return protect
+    if name == "elastic_dp":
+        from baft.pipeline.elastic import elastic_dp
+
+        return elastic_dp
     if name == "run":
         from baft.inprocess.run import run
 

@@ -37,6 +37,7 @@ for every ``dp``: a restore after a shrink or a grow finds every replica's recor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,9 @@ from baft.pipeline.state import TrainingState
 if TYPE_CHECKING:
     from baft.pipeline.step import StepRunner
 
-__all__ = ["VirtualReplicas"]
+__all__ = ["VirtualReplicas", "dp_degree", "elastic_dp"]
+
+log = logging.getLogger("baft")
 
 
 class VirtualReplicas:
@@ -248,3 +251,40 @@ def protection(redundancy: str, persist_every: int, topology: Any) -> tuple[str,
         "persisting every version to DCP until the job grows back"
     )
     return fallback, 1, why
+
+
+def dp_degree(num_replicas: int, world_size: int, model_ranks: int) -> int | None:
+    """The DP degree a world of ``world_size`` ranks runs ``num_replicas`` elastic
+    replicas with, when every stage has ``model_ranks`` ranks per copy (``pp * tp``);
+    None when it cannot hold a whole copy of the model with a degree dividing the
+    replicas (a stage's only copy was on a lost host)."""
+    if model_ranks < 1 or world_size % model_ranks:
+        return None
+    dp = world_size // model_ranks
+    return dp if dp >= 1 and num_replicas % dp == 0 else None
+
+
+def elastic_dp(num_replicas: int, model_ranks: int, *, poll_s: float = 1.0) -> int:
+    """This world's DP degree for ``num_replicas`` elastic replicas (call after
+    ``init_process_group``, before building the mesh). When the world cannot hold every
+    stage (:func:`dp_degree` is None: torchrun formed it from the hosts left, and a
+    stage's only copy is gone), the job does not shrink: this logs why and waits, and
+    torchrun restarts the workers when a host joins (a membership change), as a job of
+    fixed size waits for its replacement."""
+    import time
+
+    world = dist.get_world_size()
+    dp = dp_degree(num_replicas, world, model_ranks)
+    if dp is not None:
+        return dp
+    log.warning(
+        "elastic replicas: %d ranks cannot hold a copy of every stage (%d ranks each) with "
+        "a DP degree dividing %d replicas: not shrinking, waiting for a host to join "
+        "(torchrun restarts the job when one does)", world, model_ranks, num_replicas,
+    )  # fmt: skip
+    waited = 0.0
+    while True:  # the agent sees a healthy worker; a joining host ends it
+        time.sleep(poll_s)
+        waited += poll_s
+        if waited % 60 < poll_s:
+            log.warning("elastic replicas: still waiting for a host (%.0f s)", waited)

@@ -154,7 +154,10 @@ class ReplicaRecords:
                 dst.copy_(source(r, live))
 
     def hosted_copy(self, r: int, live: torch.Tensor) -> torch.Tensor:
-        """Replica ``r``'s copy of the record whose live tensor is ``live``."""
+        """Replica ``r``'s copy of the record whose live tensor is ``live`` (with one
+        replica, the layout holds the live record itself)."""
+        if self.num_replicas == 1:
+            return live
         i = next(i for i, t in enumerate(self._own) if t is live)
         return self.copies[r][i]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -71,19 +72,27 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--persist-every", type=int, default=50)
     ap.add_argument("--unprotected", action="store_true")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    if args.unprotected:
+        num_dp = world // args.pp
+    else:  # the world's DP degree; waits for a host when it cannot hold every stage
+        import baft
+
+        num_dp = baft.elastic_dp(args.replicas, model_ranks=args.pp)
+    mesh = init_device_mesh("cpu", (args.pp, num_dp, 1), mesh_dim_names=("pp", "dp", "tp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     torch.manual_seed(7 + pp)  # the stage's weights, and every replica's first RNG state
     module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.2))
-    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
+    stage = PipelineStage(module, pp, args.pp, torch.device("cpu"), group=mesh.get_group("pp"))
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, y: (o - y).square().mean())
     opt = torch.optim.AdamW(module.parameters(), lr=0.01)
     lr = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
@@ -91,7 +100,12 @@ def main() -> None:
 
     def body(replica: int) -> None:
         x, y = sampler.batch(replica)
-        schedule.step(x) if pp == 0 else schedule.step(target=y)
+        if pp == 0:
+            schedule.step(x)
+        elif pp == args.pp - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
 
     ft = None
     start = 0

@@ -26,7 +26,9 @@ import pytest
 
 from tests.e2e.elastic_launch import (
     REPO,
+    agent_events,
     exit_codes,
+    first_after,
     lose_host,
     start_agent,
     start_rendezvous,
@@ -50,10 +52,10 @@ def _trace(out: Path) -> list[dict[str, Any]]:
     return sorted(recs, key=lambda r: r["t"])
 
 
-def _reference(out: Path) -> dict[tuple[int, int], str]:
+def _reference(out: Path, *extra: str) -> dict[tuple[int, int], str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-        str(SCRIPT), "--out", str(out), "--iterations", str(ITERATIONS), "--unprotected",
+        str(SCRIPT), "--out", str(out), "--iterations", str(ITERATIONS), "--unprotected", *extra,
     ]  # fmt: skip
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     import os
@@ -129,4 +131,66 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(tmp_path: Path
     # a newer version in DCP than memory holds; either way nothing is lost
     assert grow["source"] == "disk" or "rebuilt for dp=2" in grow["reason"], (grow, where)
     assert shrink["lost_iterations"] <= 1 and grow["lost_iterations"] <= 1, where
-    print(f"shrink downtime {downtime:.1f} s ({where})")
+    ev = agent_events(tmp_path / "agent-a-0.log")
+    failed = first_after(ev, "failed", t_lost)
+    joined = first_after(ev, "joined", t_lost)
+    first = shrink["seconds"].get("first_iteration", 0.0)
+    print(
+        f"shrink: {downtime:.1f} s from the loss to the first iteration on host a alone: "
+        f"agent sees its workers fail +{(failed or t_lost) - t_lost:.1f} s, rendezvous "
+        f"+{(joined or t_lost) - (failed or t_lost):.1f} s, new workers to restored "
+        f"+{downtime - ((joined or t_lost) - t_lost) - first:.1f} s, first iteration "
+        f"{first:.1f} s ({where})"
+    )
+
+
+def test_a_lost_host_holding_a_stage_s_only_copy_waits_for_a_replacement(tmp_path: Path) -> None:
+    """pp=4 with one replica: host b holds stages 2 and 3 alone. Losing it leaves host a
+    no whole model, so the job does not shrink: the survivors say so and wait; a
+    replacement host (empty memory) joins and the job goes on from memory (stages 2 and
+    3 rebuilt from host a's parity), bit-identical."""
+    extra = ["--pp", "4", "--replicas", "1"]
+    ref = _reference(tmp_path / "ref", *extra)
+    out = tmp_path / "job"
+    port, rdzv = start_rendezvous()
+    args = [str(SCRIPT), "--out", str(out), "--iterations", str(ITERATIONS), "--sleep", "0.3"]
+    args += extra
+
+    def host(name: str, addr: str, attempt: int) -> subprocess.Popen[bytes]:
+        env = {"BAFT_STORE_ROOT": str(tmp_path / f"shm-{name}-{attempt}")}  # a new host's memory
+        return start_agent(
+            args, host_id=name, addr=addr, port=port, env=env,
+            log=tmp_path / f"agent-{name}-{attempt}.log",
+        )  # fmt: skip
+
+    a, b = host("a", "127.0.0.1", 0), host("b", "127.0.0.2", 0)
+    try:
+        wait_until(
+            lambda: any(r["it"] >= 10 for r in _trace(out)), 240, alive=[a, b],
+            what="iteration 10",
+        )  # fmt: skip
+        t_lost = lose_host(b)
+        log_a = tmp_path / "agent-a-0.log"
+        wait_until(
+            lambda: "not shrinking, waiting for a host" in log_a.read_text(errors="replace"),
+            120, alive=[a], what="the refusal to shrink",
+        )  # fmt: skip
+        time.sleep(3)
+        assert not [r for r in _trace(out) if r["t"] > t_lost and r["world"] != 4]
+        b = host("b", "127.0.0.3", 1)  # a replacement, sorting last
+        codes = exit_codes({"a": a, "b": b}, 400)
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                lose_host(p)
+        del rdzv
+    assert codes == {"a": 0, "b": 0}, (codes, tmp_path)
+    recs = _trace(out)
+    assert not [r for r in recs if ref[(r["pp"], r["it"])] != r["digest"]], tmp_path
+    assert {r["world"] for r in recs} == {4}
+    recoveries = [
+        json.loads(line)
+        for line in (out / "run" / "recoveries.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    assert recoveries[-1]["source"] == "memory" and recoveries[-1]["lost_iterations"] <= 1
