@@ -274,6 +274,8 @@ class Protected:
         # the restored state itself; on a fresh job: whatever the script set up).
         self.runner.state.check_live()  # e.g. optimizer.load_state_dict after protect()
         self.runner.state.capture()
+        if resume == 0 and self.runner.elastic is not None:  # every replica from here
+            self.runner.elastic.fresh_start()
         return resume
 
     def step(

@@ -109,6 +109,15 @@ class VirtualReplicas:
                 dst.copy_(copy_of(r, live))
         self._live = self.hosted[0]
 
+    def fresh_start(self) -> None:
+        """A job starting at iteration 0: every hosted replica starts from this rank's
+        records as they are now (its RNG as the script seeded it, its ``state=`` objects)."""
+        self.state.capture(buffers=False, rng=True, optimizer=False, state=self.keys)
+        for r in self.hosted:
+            for dst, src in zip(self.saved[r], self.live_records, strict=True):
+                dst.copy_(src)
+        self._live = self.hosted[0]
+
     def _load(self, r: int) -> None:
         for dst, src in zip(self.live_records, self.saved[r], strict=True):
             dst.copy_(src)

@@ -1,0 +1,118 @@
+"""Elastic replicas' pure and in-process pieces: the DP degree of a world, the config, the
+protection while shrunk, and the virtual replicas' records (layout, exchange, swaps).
+Ranks are threads on a LocalTransport."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from baft.config import CheckpointConfig, ElasticConfig
+from baft.engine.local_transport import LocalTransport
+from baft.pipeline.elastic import VirtualReplicas, dp_degree, protection
+from baft.pipeline.replicas import ReplicaRecords
+from baft.pipeline.state import TrainingState
+from baft.topology import Topology
+from tests.unit.test_replica_records import _on_threads
+
+
+class Loader:
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def test_the_dp_degree_of_a_world() -> None:
+    assert dp_degree(4, world_size=8, model_ranks=2) == 4
+    assert dp_degree(4, world_size=4, model_ranks=2) == 2
+    assert dp_degree(4, world_size=2, model_ranks=2) == 1
+    assert dp_degree(4, world_size=6, model_ranks=2) is None  # 3 does not divide 4
+    assert dp_degree(1, world_size=2, model_ranks=4) is None  # not a whole model
+    assert dp_degree(2, world_size=3, model_ranks=2) is None
+
+
+def test_the_config_refuses_what_cannot_run() -> None:
+    assert list(ElasticConfig(num_replicas=4).hosted(2, 1)) == [2, 3]
+    assert list(ElasticConfig().hosted(3, 2)) == [2]  # off: each rank its own replica
+    with pytest.raises(ValueError, match="not a multiple of the job's 3 DP ranks"):
+        ElasticConfig(num_replicas=4).validate(3)
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        ElasticConfig(num_replicas=-1).validate(1)
+    ck = CheckpointConfig.from_dict({"elastic": {"num_replicas": 2, "deterministic": False}})
+    assert ck.elastic == ElasticConfig(num_replicas=2, deterministic=False)
+    assert CheckpointConfig.from_dict(ck.to_dict()).elastic == ck.elastic
+
+
+def test_protection_while_shrunk() -> None:
+    two = Topology(num_pp=2, num_dp=2, ranks_per_node=2)
+    assert protection("xor:2", 50, two) == ("xor:2", 50, "")
+    one = Topology(num_pp=2, num_dp=1, ranks_per_node=2)
+    red, every, why = protection("xor:2", 50, one)
+    assert (red, every) == ("none", 1) and "cannot survive losing another host" in why
+    three = Topology(num_pp=1, num_dp=3, ranks_per_node=1)
+    assert protection("rs:2+2", 50, three)[:2] == ("replicate:2", 1)
+
+
+def _rank(loader: Loader) -> tuple[TrainingState, nn.Linear]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ts = TrainingState([model], opt, {"loader": loader}, install_step_hook=False)
+    return ts, model
+
+
+def test_a_rank_hosting_two_replicas_keeps_their_records_apart() -> None:
+    loader = Loader()
+    ts, model = _rank(loader)
+    rr = ReplicaRecords(ts.tensors(), rank=0, replicas=(0,), num_replicas=2)
+    names_ = [n for n, _ in rr.named()]
+    assert "extra.state.dp0.loader" in names_ and "extra.state.dp1.loader" in names_
+    held = dict(rr.named())
+    assert held["extra.state.dp0.loader"] is not dict(ts.tensors())["extra.state.loader"]
+    vr = VirtualReplicas(
+        ts, list(model.parameters()), hosted=[0, 1], num_replicas=2, deterministic=True,
+        dp_group=None,
+    )  # fmt: skip
+    draws: dict[int, list[float]] = {0: [], 1: []}
+    torch.manual_seed(5)  # both replicas start from this rank's stream
+    vr.fresh_start()
+    for _ in range(2):  # two iterations: each replica advances its own loader and RNG
+        for r in vr.loop(lambda fn: fn()):
+            loader.position += 10**r
+            draws[r].append(float(torch.rand(1)))
+            model(torch.ones(1, 3)).sum().backward()
+    assert draws[0] == draws[1]  # the same stream, each from its own state
+    assert loader.position == 20  # the live object is the last replica's
+    assert vr.reduced and model.weight.grad is not None
+    rr.fill_hosted(vr.record)
+    vr._load(0)
+    assert loader.position == 2  # replica 0 took two steps of 1
+
+
+def test_the_exchange_fills_the_other_ranks_replicas() -> None:
+    world = 2
+    made = []
+    for d in range(world):
+        loader = Loader()
+        loader.position = 100 * (d + 1)
+        ts, _ = _rank(loader)
+        ts.capture()
+        made.append(ReplicaRecords(ts.tensors(), rank=d, replicas=(0, 1), num_replicas=4))
+    assert [rr.hosted for rr in made] == [[0, 1], [2, 3]]
+    for rr in made:
+        rr.fill_hosted(lambda r, live: live)  # each hosted replica: this rank's record
+    transports = LocalTransport.group(world, timeout_s=10.0)
+    _on_threads([lambda d=d: made[d].exchange(transports[d]) for d in range(world)])
+    a, b = (dict(rr.named()) for rr in made)
+    for r in range(4):
+        n = f"extra.state.dp{r}.loader"
+        assert torch.equal(a[n], b[n]), n
+    assert not torch.equal(a["extra.state.dp0.loader"], a["extra.state.dp2.loader"])
