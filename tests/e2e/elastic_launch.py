@@ -40,35 +40,52 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "tests" / "e2e" / "elastic_probe.py"
 
-# --- the settings (measured: docs/elastic-launch.md, 2 shared CPU cores, torch 2.13 CPU) ---
+# --- the settings -------------------------------------------------------------------
+# Measured with ``python -m tests.e2e.elastic_launch`` (2 CPU cores shared with other
+# work, load 4-6, torch 2.13 CPU; docs/elastic-launch.md has every run): with these
+# defaults a host killed at a random moment -> the survivor iterating with world 2 in
+# 7.23 s median [6.80, 7.99] over 5 runs (its all-reduce fails 0.04 s after the kill, its
+# agent restarts at 0.58 s, the rendezvous completes at 4.88 s, the new workers import
+# torch and iterate 2.25 s later); the host's agent started again -> world 4 in 6.94 s
+# [6.34, 7.20] (torch's defaults: 15 s to forget the lost host + 30 s of last call).
 
 LAST_CALL_S = 2
-"""``last_call_timeout``: how long a round that reached ``min_nodes`` waits for more nodes
-before it completes (torch's default: 30 s). It is in every shrink (the survivor waits it
-out alone): 2 s. 1 s shrinks a second sooner but a grow can then miss the returning
-host (it polls the rendezvous once a second) and form the 1-host world again (one more
-membership restart); at a job's start a host whose agent comes up more than this after the
-first one's is left out of the first world (it joins through a membership restart):
-:func:`wait_for_world` the full world before injecting anything."""
+"""``last_call_timeout`` (integer seconds, torch's default 30): how long a round that has
+``min_nodes`` waits for more before it completes. A shrink waits it out in full (the
+survivor is alone). 1 s shrank in 6.48 s [5.97, 6.87] (3 runs) instead of 7.23 s, but the
+returning host joined the grow's round 0.47-0.74 s after the survivor (it polls the
+rendezvous once a second), so with 1 s a late poll forms the 1-host world again (one more
+membership restart); 2 s leaves a second of margin. At a job's start a host whose agent
+joins more than this after the first one's is left out of the first world (it comes in
+through a membership restart, measured): :func:`wait_for_world` the full world before
+injecting anything."""
 KEEP_ALIVE_INTERVAL_S = 1
 """``keep_alive_interval`` (integer seconds, torch's default 5): how often each agent
 writes its heartbeat into the rendezvous state."""
 KEEP_ALIVE_MAX_ATTEMPT = 3
-"""``keep_alive_max_attempt`` (default 3): a node whose heartbeat is older than
-``interval x attempts`` (here 2 s, torch's default 15 s) is dead and removed from the
-rendezvous. The lost host's node must be removed before the survivor can start a new
-round: this is the other half of a shrink's rendezvous. A live agent whose heartbeat
-thread stalls that long would be dropped too (it rejoins at its next restart); across real
-hosts the bound also absorbs their clock skew (heartbeats carry the writer's wall time)."""
+"""``keep_alive_max_attempt`` (torch's default 3): a node whose heartbeat is older than
+``interval x attempts`` (here 3 s, torch's default 15 s) is dead and removed; the lost
+host's node must go before the survivor can form a new round, so this bounds a shrink's
+rendezvous from below. **Never 2 with an interval of 1**: right after every round an
+agent's own heartbeat is 2.03-2.05 s old (its join loop's last beat, then the first tick
+of its timer one interval after the round), and a node that finds its own heartbeat
+expired removes itself and never beats again; when that empties the rendezvous, the host
+that comes back forms a world of its own beside the running one (two worlds of one job,
+2 runs of 2; :func:`split_brain`). 3 leaves ~1 s for an agent's stall; an agent stalled
+longer (seen once here: 20 s, every process of the host) drops out the same way. Across
+real hosts the bound also absorbs clock skew (heartbeats carry the writer's wall time)."""
 JOIN_TIMEOUT_S = 600
-"""``join_timeout``: how long a node may wait to join (torch's default). Not on the
-shrink's path (``min_nodes`` = 1 is always met); it bounds a start without the others."""
+"""``join_timeout`` (torch's default): how long a node may wait to join. Not on a
+shrink's path (``min_nodes`` = 1 is always met)."""
 MONITOR_INTERVAL_S = 0.1
-"""``--monitor-interval`` (torchrun's default since 2.x): how often the agent looks at its
-workers and, while they are healthy, at the rendezvous's waiting nodes (a grow)."""
+"""``--monitor-interval`` (torchrun's default): how often the agent looks at its workers
+and, while they are healthy, at the rendezvous's waiting nodes (a grow; that read is
+cached for 1 s). The agent saw its workers fail 0.43-0.67 s after the kill, the time the
+failed workers take to exit, so a shorter interval gains nothing."""
 MAX_RESTARTS = 3
-"""``--max-restarts``: a host loss costs every surviving agent one (its workers FAILED);
-a grow (a membership change) costs none."""
+"""``--max-restarts``: a host loss costs every surviving agent one (its workers FAILED:
+``TORCHELASTIC_RESTART_COUNT`` 0 -> 1); a grow (a membership change) costs none, and the
+returning host's workers start at 0 (restart counts differ within one world)."""
 
 
 def rdzv_conf(
@@ -395,6 +412,25 @@ def world_iterating(out: Path, world: int, after: float = 0.0) -> float | None:
     return max(first.values()) if len(first) == world else None
 
 
+def split_brain(out: Path, after: float = 0.0) -> list[str]:
+    """Pairs of hosts whose rank 0 iterated at the same time after ``after`` (two worlds
+    of one job: a rendezvous that lost every node formed a second one, see
+    :data:`KEEP_ALIVE_MAX_ATTEMPT`); empty when the job was one world throughout. Rank 0
+    may move between hosts (a restart takes seconds): two hosts count as concurrent when
+    both iterated as rank 0 in at least two of the same whole seconds."""
+    seconds: dict[str, set[int]] = {}
+    for r in _records(out):
+        if r["event"] == "iter" and r["rank"] == 0 and r["t"] > after:
+            seconds.setdefault(r["host"], set()).add(int(r["t"]))
+    hosts = sorted(seconds)
+    return [
+        f"{h} and {k}"
+        for i, h in enumerate(hosts)
+        for k in hosts[i + 1 :]
+        if len(seconds[h] & seconds[k]) >= 2
+    ]
+
+
 def wait_for_world(
     out: Path, world: int, after: float = 0.0, timeout_s: float = 120.0, **kw: Any
 ) -> float:
@@ -505,6 +541,7 @@ def trial(
         res["grow"] = phases(out, logs / f"{keep}.log", t_back, t_grown, hosts={"a", "b"})
         back_ev = agent_events(back)
         res["grow"]["back_waiting"] = _rel(first_after(back_ev, "rendezvous", t_back), t_back)
+        res["split_brain"] = split_brain(out)
         res["ranks_after_shrink"] = ranks(out, t_shrunk, 2)
         res["ranks_after_grow"] = ranks(out, t_grown, 4)
         res["restart_count_after_shrink"] = restart_counts(out, t_shrunk, 2)

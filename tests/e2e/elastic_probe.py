@@ -20,11 +20,11 @@ Plain (one process per rank)::
 Under baft's in-process supervisor (``--inprocess``: the loop is ``main()`` run through
 ``baft.run(main)``; launch with ``torchrun ... -m baft.inprocess tests/e2e/elastic_probe.py
 --out DIR --inprocess``). Every iteration then reports progress to the supervisor as a
-protected job's engine does. ``--sigterm exit`` (the default) leaves at once on SIGTERM,
-as a protected job's flush that has nothing to write would; ``--sigterm hold`` keeps
-``baft.run``'s SIGTERM hold (no engine ever takes it: the process leaves after
-``BAFT_INPROCESS_HOLD_SIGTERM_S``). See :mod:`tests.e2e.elastic_launch` and
-``docs/elastic-launch.md``.
+protected job's engine does. torchrun stops the workers with SIGTERM to grow the job:
+``--sigterm exit`` (the default) leaves at once, as an engine that took the SIGTERM and
+had nothing to flush; ``--sigterm hold`` keeps ``baft.run``'s SIGTERM hold (no engine ever
+takes it: the process leaves after ``BAFT_INPROCESS_HOLD_SIGTERM_S``). See
+:mod:`tests.e2e.elastic_launch` and ``docs/elastic-launch.md``.
 """
 
 from __future__ import annotations
