@@ -6,7 +6,7 @@ iteration processes every replica's micro-batches, whatever the number of hosts:
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 \\
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --max-restarts 10 \\
-        tests/e2e/elastic_script.py --out runs/el
+        tests/e2e/elastic_script.py --out runs/el     # -m baft.inprocess before it: in-process
 
 Each stage is a fresh ``nn.Sequential`` with dropout (each replica's RNG), AdamW, a step
 LR schedule (the job's), gradient clipping, and a sampler per replica whose position is
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--persist-every", type=int, default=50)
+    ap.add_argument("--full-every", default="auto", help="1: whole state every version")
     ap.add_argument("--unprotected", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -113,7 +114,9 @@ def main() -> None:
         import baft
 
         ck = baft.CheckpointConfig(
-            policy=baft.CheckpointPolicy(persist_every=args.persist_every),
+            policy=baft.CheckpointPolicy.parse(
+                f"persist={args.persist_every},full_every={args.full_every}"
+            ),
             profile_iters=1,
             store=baft.StoreConfig(root=os.environ.get("BAFT_STORE_ROOT", "/dev/shm/baft")),
             elastic=baft.ElasticConfig(num_replicas=args.replicas),
@@ -152,4 +155,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import baft
+
+    baft.run(main)  # under `-m baft.inprocess`: survivors re-enter main() after a failure

@@ -68,18 +68,31 @@ def _worlds_after(out: Path, world: int, t: float) -> list[dict[str, Any]]:
     return [r for r in _trace(out) if r["world"] == world and r["t"] > t]
 
 
-def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(tmp_path: Path) -> None:
+ELASTIC_CASES = [  # (launch, full_every): the default launch and policy first
+    (True, "auto"),
+    (False, "auto"),
+    (False, "1"),
+]
+
+
+@pytest.mark.parametrize(
+    "inprocess,full_every", ELASTIC_CASES, ids=["inprocess-diff", "group-diff", "group-full"]
+)
+def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
+    tmp_path: Path, inprocess: bool, full_every: str
+) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     ref = _reference(tmp_path / "ref")
     out = tmp_path / "job"
     port, rdzv = start_rendezvous()
     args = [str(SCRIPT), "--out", str(out), "--iterations", str(ITERATIONS), "--sleep", "0.3"]
+    args += ["--full-every", full_every]
 
     def host(name: str, addr: str, attempt: int) -> subprocess.Popen[bytes]:
         env = {"BAFT_STORE_ROOT": str(tmp_path / f"shm-{name}")}
         return start_agent(
-            args, host_id=name, addr=addr, port=port, env=env,
+            args, host_id=name, addr=addr, port=port, env=env, inprocess=inprocess,
             log=tmp_path / f"agent-{name}-{attempt}.log",
         )  # fmt: skip
 
