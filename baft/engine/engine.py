@@ -159,6 +159,8 @@ class CheckpointEngine:
         saved = PlanInput.load_for(self.run_dir, self.topology.world_size)
         if saved is not None:
             self.adoption.adopt(saved, source="saved profile")
+        elif self.adoption.cost is None and (other := PlanInput.load(self.run_dir)):
+            self.adoption.cost = other.cost or None  # the host's rates: no calibration
 
     # ------------------------------------------ what a restore needs (recover.Restorable)
     @property

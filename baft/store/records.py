@@ -143,19 +143,31 @@ class PlanInput:
 
     @classmethod
     def load_for(cls, run_dir: str | Path, world_size: int) -> PlanInput | None:
-        """The saved inputs when a job of ``world_size`` ranks wrote them; None when none
-        were saved or another number of ranks planned (a job that shrank or grew
-        profiles again: neither its bubbles nor its layout per rank hold)."""
+        """The saved inputs of a job of ``world_size`` ranks: the newest, or those a job
+        of that size saved before it shrank or grew (an elastic job going back to a size
+        it ran at re-plans at once); None when no job of that size planned (the job
+        profiles: neither the bubbles nor the layout per rank of another size hold)."""
         saved = cls.load(run_dir)
-        if saved is None or saved.world_size not in (None, world_size):
-            return None
-        return saved
+        if saved is not None and saved.world_size in (None, world_size):
+            return saved
+        path = Path(run_dir) / _sized(world_size)
+        return cls.from_json(json.loads(path.read_text())) if path.exists() else None
 
     def save(self, run_dir: str | Path) -> None:
-        """Atomically replace the run directory's saved inputs (call on one rank)."""
-        tmp = Path(run_dir) / (PLAN_INPUT_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(Path(run_dir) / PLAN_INPUT_FILE)
+        """Atomically replace the run directory's saved inputs (call on one rank), and
+        those of its world size (:meth:`load_for`)."""
+        names = [PLAN_INPUT_FILE]
+        if self.world_size is not None:
+            names.append(_sized(self.world_size))
+        for name in names:
+            tmp = Path(run_dir) / (name + ".tmp")
+            tmp.write_text(json.dumps(self.to_json()))
+            tmp.replace(Path(run_dir) / name)
+
+
+def _sized(world_size: int) -> str:
+    """The file of the saved inputs of a job of ``world_size`` ranks."""
+    return PLAN_INPUT_FILE.replace(".json", f".w{world_size}.json")
 
 
 CLOSED_FILE = "progress/closed.json"

@@ -116,3 +116,16 @@ def test_the_exchange_fills_the_other_ranks_replicas() -> None:
         n = f"extra.state.dp{r}.loader"
         assert torch.equal(a[n], b[n]), n
     assert not torch.equal(a["extra.state.dp0.loader"], a["extra.state.dp2.loader"])
+
+
+def test_a_job_back_at_a_size_it_ran_at_finds_that_size_s_plan_input(tmp_path) -> None:
+    from baft.store.records import PlanInput
+
+    four = PlanInput(ranks=[{"w": 4}] * 4, cost={"copy_Bps": 4.0}, world_size=4)
+    two = PlanInput(ranks=[{"w": 2}] * 2, cost={"copy_Bps": 2.0}, world_size=2)
+    four.save(tmp_path)
+    two.save(tmp_path)  # shrank: the newest inputs are the 2-rank job's
+    assert PlanInput.load(tmp_path) == two
+    assert PlanInput.load_for(tmp_path, 2) == two
+    assert PlanInput.load_for(tmp_path, 4) == four  # grew back: re-plans at once
+    assert PlanInput.load_for(tmp_path, 8) is None  # never ran with 8: profiles
