@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:  # lazy: importing baft must not import torch
 
         return protect
     if name == "elastic_dp":
-        from baft.pipeline.elastic import elastic_dp
+        from baft.api import elastic_dp
 
         return elastic_dp
     if name == "run":

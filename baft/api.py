@@ -59,6 +59,7 @@ from baft.errors import refusal
 from baft.liveness import generation
 from baft.liveness.watchdog import NoWatchdog, Watchdog, start_watchdog
 from baft.pipeline import elastic
+from baft.pipeline.elastic import elastic_dp
 from baft.pipeline.layout import (
     check_fsdp_supported,
     check_no_sharded_replicas,
@@ -72,6 +73,7 @@ from baft.pipeline.step import NOT_RESTORED, Phase, StepResult, StepRunner
 from baft.topology import Topology
 
 log = logging.getLogger("baft")
+__all__ = ["Protected", "elastic_dp", "protect"]
 
 
 def _mesh_from(

@@ -8,7 +8,6 @@ import os
 import sys
 
 from baft.inprocess.child import Target
-from baft.inprocess.supervisor import Options, Supervisor
 
 USAGE = "usage: torchrun [...] -m baft.inprocess [-m MODULE | SCRIPT] [ARGS...]"
 
@@ -34,6 +33,12 @@ def main(argv: list[str]) -> int:
         handler.setFormatter(logging.Formatter("[baft supervisor %(process)d] %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO if os.environ.get("RANK") == "0" else logging.WARNING)
+    # the forkserver's imports (torch, baft) run while this process imports its own
+    from baft.inprocess.preload import start_forkserver
+
+    start_forkserver()
+    from baft.inprocess.supervisor import Options, Supervisor
+
     return Supervisor(target, Options.from_env()).run()
 
 

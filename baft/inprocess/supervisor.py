@@ -36,7 +36,6 @@ supervisor instead, which never exits on a recoverable failure:
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import time
@@ -51,20 +50,11 @@ from baft.inprocess import messages as msg
 from baft.inprocess.child import Target, child_main
 from baft.inprocess.control import Control
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
+from baft.inprocess.preload import forkserver_context
 from baft.liveness.generation import Generation
 
 log = logging.getLogger("baft")
 
-PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.fsdp",
-    "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "baft.api",
-    # what protect() and restore() import when first called: 0.66 s of a replacement's
-    # start here before they were preloaded (py-spy of the replacement, baft train)
-    "baft.engine.build", "baft.recover.runtime", "baft.recover.report", "baft.faults.injector",
-    "baft.store.coding",
-]  # fmt: skip
-"""What the forkserver imports once for every training process it forks; add your own
-heavy imports with ``BAFT_INPROCESS_PRELOAD=pkg.a,pkg.b`` (modules, imported, not run)."""
 GIVE_UP_EXIT = 75
 """A supervisor's status when in-process recovery gave up (torchrun restarts the group)."""
 REFUSED_EXIT = 78
@@ -105,9 +95,7 @@ class Supervisor:
         """The torchrun agent that started this supervisor: when it is gone (killed
         with SIGKILL, which leaves its workers behind), so is the job."""
         self.ledger = Ledger(options.max_failures)
-        self.ctx = multiprocessing.get_context("forkserver")
-        extra = [m for m in os.environ.get("BAFT_INPROCESS_PRELOAD", "").split(",") if m]
-        self.ctx.set_forkserver_preload(PRELOAD + extra)
+        self.ctx = forkserver_context()
         self.child: Any = None
         self.conn: Any = None
         self.child_gen = 0
