@@ -303,9 +303,9 @@ def _gather(values: list[float], world: int) -> list[list[float]]:
     import torch.distributed as dist
 
     mine = torch.tensor(values, dtype=torch.float64)
-    every = torch.empty(world * len(values), dtype=torch.float64)
-    dist.all_gather_into_tensor(every, mine)
-    return every.view(world, len(values)).t().tolist()
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return torch.stack(every).t().tolist()
 
 
 def _digest(t: Any) -> str:
@@ -389,6 +389,29 @@ def _memory(arms: dict[str, Arm]) -> dict[str, int | None]:
     return out
 
 
+GATHER_ALONE = "all_gather_into_tensor alone"
+"""The memory row of the bare collective: one gradient gathered into a preallocated,
+touched output (what the backend itself allocates)."""
+
+
+def _gather_memory(arms: dict[str, Arm], dp_group: Any, num_dp: int) -> int | None:
+    """The rise of the resident high-water mark over ``all_gather_into_tensor`` of this
+    rank's flat gradient into a preallocated output (bytes; None where not measurable)."""
+    import torch
+    import torch.distributed as dist
+
+    from baft_bench.memory import reset_rss_peak, rss_bytes, rss_peak_bytes
+
+    mine = next(iter(arms.values())).result()
+    every = torch.zeros(mine.numel() * num_dp)
+    dist.all_gather_into_tensor(every, mine, group=dp_group)  # warm: the backend's first call
+    dist.barrier()
+    ok = reset_rss_peak()
+    before = rss_bytes()
+    dist.all_gather_into_tensor(every, mine, group=dp_group)
+    return max(rss_peak_bytes() - before, 0) if ok else None
+
+
 def run_worker(cfg: ReductionConfig) -> dict[str, Any] | None:
     """Run the rounds on this rank; rank 0 returns the raw results, the others None."""
     import torch
@@ -419,7 +442,8 @@ def run_worker(cfg: ReductionConfig) -> dict[str, Any] | None:
             rep_s[name] += _gather(times, world)
         if rank == 0:
             _log(f"round {i + 1}/{cfg.num_rounds}: {', '.join(order)}")
-    memory = _memory(arms)
+    memory: dict[str, int | None] = _memory(arms)
+    memory[GATHER_ALONE] = _gather_memory(arms, mesh.dp_group, cfg.num_dp)
     mem_rows: list[Any] = [None] * world
     dist.all_gather_object(mem_rows, memory)
     mine = _check(mesh, arms)
@@ -437,7 +461,7 @@ def run_worker(cfg: ReductionConfig) -> dict[str, Any] | None:
         "rounds": cfg.num_rounds,
         "orders": orders,
         "arms": {n: {"rep_s": rep_s[n]} for n in cfg.arms},
-        "memory": {n: [row[n] for row in mem_rows] for n in cfg.arms},
+        "memory": {n: [row[n] for row in mem_rows] for n in [*cfg.arms, GATHER_ALONE]},
         "identity": {"ranks": rows},
     }
 
@@ -587,9 +611,15 @@ def summarize(raw: dict[str, Any], refs: list[dict[str, Any]] | None = None) -> 
         if all(isinstance(x, list) for x in mem):
             m["memory_bytes"] = [max(col, default=None) for col in zip(*mem, strict=True)]
         arms[n] = m
+    alone = [r.get("memory", {}).get(GATHER_ALONE) for r in launches]
     return {
         "config": cfg,
         "machine": raw.get("machine", {}),
+        "gather_memory_bytes": (
+            [max(col, default=None) for col in zip(*alone, strict=True)]
+            if all(isinstance(x, list) for x in alone)
+            else None
+        ),
         "grad_bytes": launches[0]["grad_bytes"],
         "launches": len(launches),
         "launch_rounds": strata,
@@ -746,35 +776,42 @@ def _identity_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _mib_list(values: list[int | None] | None) -> str:
+    return " / ".join("-" if b is None else f"{b / 2**20:.0f}" for b in values or []) or "-"
+
+
 def _memory_lines(result: dict[str, Any]) -> list[str]:
     cfg = result["config"]
     r = cfg["num_dp"]
     g = max(result["grad_bytes"]) / 2**20
     formula = {
         "allreduce": (1, "the flat gradient"),
-        "deterministic": (r + 2, f"the flat gradient, the gather buffer ({r} x), the sum"),
+        "deterministic": (r + 2, f"the flat gradient, the gather's output ({r} G), the sum"),
         "sum-allreduce": (2, "the flat gradient and its clone"),
-        "deterministic-shrunk": (2 * r + 1, f"{r} flat gradients, their cat, the sum"),
+        "deterministic-shrunk": (2 * r + 1, f"{r} flat gradients, their cat ({r} G), the sum"),
     }
     rows = []
     for name, m in result["arms"].items():
         n, words = formula.get(name, (None, ""))
-        peak = m.get("memory_bytes")
-        measured = " / ".join("-" if b is None else f"{b / 2**20:.0f}" for b in peak or [])
-        rows.append(
-            f"| {name} | {'-' if n is None else f'{n} x {g:.1f} = {n * g:.0f}'} ({words}) "
-            f"| {measured or '-'} |"
-        )
-    return [
-        "Transient memory of one reduction per rank: the buffers the code allocates "
-        "(gradient size G), and the measured rise of the process's resident high-water mark "
-        "(VmHWM) over one reduction (MiB, rank 0 / rank 1 / ...; includes gloo's buffers):",
+        cell = "-" if n is None else f"{n} G = {n * g:.0f} ({words})"
+        rows.append(f"| {name} | {cell} | {_mib_list(m.get('memory_bytes'))} |")
+    lines = [
+        "Transient memory of one reduction per rank (G = the flat gradient, "
+        f"{g:.1f} MiB): the buffers the reduction's code allocates, and the measured rise of "
+        "the process's resident high-water mark (VmHWM) over one reduction, which includes "
+        "what the collective allocates inside gloo (MiB, rank 0 / rank 1 / ...):",
         "",
-        "| arm | allocated (MiB) | measured peak rise (MiB) |",
+        "| arm | the code allocates (MiB) | measured peak rise (MiB) |",
         "|---|---|---|",
         *rows,
-        "",
     ]
+    alone = result.get("gather_memory_bytes")
+    if alone:
+        lines.append(
+            f"| (`all_gather_into_tensor` alone, into a preallocated output) | 0 "
+            f"| {_mib_list(alone)} |"
+        )
+    return [*lines, ""]
 
 
 # ------------------------------------------------------------------ the command line

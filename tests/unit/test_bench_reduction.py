@@ -98,7 +98,7 @@ def _launch(ms: dict[str, float], rounds: int, reps: int, slow_rank: float) -> d
             n: {"rep_s": [[v / 1e3, (v + slow_rank) / 1e3]] * (rounds * reps)}
             for n, v in ms.items()
         },
-        "memory": {n: [100, 200] for n in ms},
+        "memory": {**{n: [100, 200] for n in ms}, reduction.GATHER_ALONE: [2**20, 3 * 2**20]},
         "identity": {"ranks": [{**row, "dp": 0}, {**row, "dp": 1}]},
         "wall_s": 1.0,
     }
@@ -126,13 +126,15 @@ def test_summary_arithmetic_on_fake_timings(tmp_path: Path) -> None:
     assert arms["sum-allreduce"]["ratio"]["value"] == pytest.approx(1.0)
     assert arms["deterministic-shrunk"]["added_ms"]["value"] == pytest.approx(-6.0)
     assert det["memory_bytes"] == [100, 200]
+    assert result["gather_memory_bytes"] == [2**20, 3 * 2**20]
     assert result["identity"]["checks"]["deterministic == deterministic-shrunk"]["identical"]
     assert result["identity"]["dp_ranks_agree"]
     page = reduction.render_markdown(result, command="baft bench reduction", date="D")
     assert "1.417x [1.417, 1.417]" in page and "5.0 [5.0, 5.0]" in page
     assert "1.2% [1.2%, 1.2%] of the overhead bench's 400.0 ms iteration" in page
     assert "`deterministic == deterministic-shrunk`: identical" in page
-    assert "4 x 0.0 = 0" in page  # (R + 2) x G for the deterministic arm
+    assert "preallocated output) | 0 | 1 / 3 |" in page
+    assert "4 G = 0 (the flat gradient" in page  # (R + 2) G for the deterministic arm
 
 
 def test_the_ratio_is_paired_per_round() -> None:
