@@ -148,6 +148,23 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "slow:rank=R,iter=I,s=SECONDS; POINT in iteration|snapshot|transfer|persist|step|recovery",
     )
     g.add_argument(
+        "--elastic",
+        type=int,
+        default=0,
+        metavar="MIN_HOSTS",
+        help="run every --ranks-per-node ranks as a host of its own (torchrun agent, memory) "
+        "in a job of MIN_HOSTS to all of them: a lost host shrinks the --dp replicas onto the "
+        "others from memory, bit-identically, and a returning one grows them back",
+    )
+    g.add_argument(
+        "--lose-host",
+        action="append",
+        default=[],
+        metavar="H:ITER[:BACK]",
+        help="with --elastic: kill host H (its agent and every process) after iteration ITER, "
+        "start it again after iteration BACK (repeatable)",
+    )
+    g.add_argument(
         "--max-restarts",
         type=int,
         default=TrainConfig().max_restarts,
@@ -213,13 +230,19 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         cfg.max_restarts = a.max_restarts
         cfg.inprocess = not a.no_inprocess
         cfg.inject = list(a.inject)
+        if a.elastic:
+            ck.elastic.num_replicas = a.dp
+            cfg.elastic_min_hosts = a.elastic
+            cfg.lose_hosts = list(a.lose_host)
         if cfg.inject:
             from baft.faults.spec import FaultSpec
 
             for spec in cfg.inject:
                 FaultSpec.parse(spec)
-    elif a.inject:
-        raise ValueError("--inject needs checkpointing on: drop --no-checkpoint")
+    elif a.inject or a.elastic:
+        raise ValueError("--inject and --elastic need checkpointing on: drop --no-checkpoint")
+    if a.lose_host and not a.elastic:
+        raise ValueError("--lose-host needs --elastic MIN_HOSTS")
     cfg.validate()
     return cfg
 

@@ -274,15 +274,16 @@ def dp_degree(num_replicas: int, world_size: int, model_ranks: int) -> int | Non
 
 
 def elastic_dp(num_replicas: int, model_ranks: int, *, poll_s: float = 1.0) -> int:
-    """This world's DP degree for ``num_replicas`` elastic replicas (call after
-    ``init_process_group``, before building the mesh). When the world cannot hold every
+    """This world's DP degree for ``num_replicas`` elastic replicas (call before building
+    the mesh; the world size is the process group's, or torchrun's ``WORLD_SIZE``). When the world cannot hold every
     stage (:func:`dp_degree` is None: torchrun formed it from the hosts left, and a
     stage's only copy is gone), the job does not shrink: this logs why and waits, and
     torchrun restarts the workers when a host joins (a membership change), as a job of
     fixed size waits for its replacement."""
+    import os
     import time
 
-    world = dist.get_world_size()
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     dp = dp_degree(num_replicas, world, model_ranks)
     if dp is not None:
         return dp

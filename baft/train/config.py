@@ -140,6 +140,15 @@ class TrainConfig:
     inprocess: bool = True
     """In-process recovery (:mod:`baft.inprocess`): survivors keep their processes and only
     the failed rank is replaced; False: every failure restarts the whole group."""
+    elastic_min_hosts: int = 0
+    """``baft train --elastic MIN``: every simulated node runs as a host of its own (a
+    torchrun agent, its own store root and host id) in a job of ``MIN`` to all of them
+    (``--nnodes MIN:N``), whose ``num_dp`` replicas are elastic
+    (:class:`baft.config.ElasticConfig`); 0: one agent, a fixed world."""
+    lose_hosts: list[str] = field(default_factory=list)
+    """With ``elastic_min_hosts``: ``HOST:ITER[:BACK]``, host ``HOST`` lost for good (its
+    agent and every process under it killed) once iteration ``ITER`` is done, started
+    again once ``BACK`` is (``baft train --lose-host``)."""
     inject: list[str] = field(default_factory=list)
     """Failure injections (see :mod:`baft.faults`), e.g. ``["kill:rank=1,iter=7"]``:
     handed to ``ft.inject`` before the restore."""
@@ -170,6 +179,8 @@ class TrainConfig:
                 f"replicas x {self.parallel.num_dp_shard} shards x "
                 f"{self.parallel.num_microbatches} microbatches"
             )
+        if self.elastic_min_hosts:
+            self._validate_elastic()
         if self.checkpoint is not None:
             from baft.topology import Topology
 
@@ -181,6 +192,35 @@ class TrainConfig:
                     ranks_per_node=self.parallel.ranks_per_node,
                 )
             )
+
+    @property
+    def num_hosts(self) -> int:
+        """Simulated hosts of an elastic run: one per declared node."""
+        par = self.parallel
+        return par.world_size // (par.ranks_per_node or min(2, par.world_size))
+
+    def _validate_elastic(self) -> None:
+        par, ck = self.parallel, self.checkpoint
+        if ck is None or not ck.elastic.num_replicas:
+            raise ValueError(
+                "--elastic needs checkpoints with elastic replicas (drop --no-checkpoint)"
+            )
+        if par.num_tp > 1 or par.num_dp_shard > 1:
+            raise ValueError("--elastic takes plain DP replicas: use --tp 1 --dp-shard 1")
+        if not 1 <= self.elastic_min_hosts <= self.num_hosts:
+            raise ValueError(
+                f"--elastic {self.elastic_min_hosts}: between 1 and the run's {self.num_hosts} "
+                "hosts (one per --ranks-per-node ranks)"
+            )
+        for spec in self.lose_hosts:
+            parts = spec.split(":")
+            if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+                raise ValueError(f"--lose-host {spec!r}: HOST:ITER[:BACK], e.g. 1:10:20")
+            n = [int(p) for p in parts]
+            if n[0] >= self.num_hosts or (len(n) == 3 and n[2] <= n[1]):
+                raise ValueError(
+                    f"--lose-host {spec!r}: a host below {self.num_hosts}, BACK after ITER"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -118,6 +118,8 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
         ck.store.job_id = ck.store.job_id or default_job_id(cfg.out_dir)
         ck.persist.dir = ck.persist.dir or str(out / "checkpoints")
         shutil.rmtree(Path(ck.store.root) / ck.store.job_id, ignore_errors=True)
+        for i in range(cfg.num_hosts if cfg.elastic_min_hosts else 0):  # the hosts' memories
+            shutil.rmtree(Path(ck.store.root) / f"h{i}" / ck.store.job_id, ignore_errors=True)
         shutil.rmtree(ck.persist.dir, ignore_errors=True)
     path = out / "config.json"
     path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -140,6 +142,11 @@ def launch(
     if max_restarts is None:
         max_restarts = cfg.max_restarts if cfg.checkpoint else 0
     inprocess = cfg.inprocess and cfg.checkpoint is not None and cfg.instrument
+    if cfg.elastic_min_hosts:  # a host per declared node, in an elastic node range
+        from baft.train.hosts import launch_hosts
+
+        entry = ["-m", "baft.inprocess", "-m", worker] if inprocess else ["-m", worker]
+        return launch_hosts(cfg, cfg_path, max_restarts, entry, launch_env())
     cmd = torchrun_command(
         cfg_path, cfg.parallel.world_size, max_restarts, worker, inprocess=inprocess
     )

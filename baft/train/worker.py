@@ -83,6 +83,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     timeout_s = cfg.checkpoint.timeouts.collective_s if cfg.checkpoint else 120.0
+    if cfg.checkpoint is not None and cfg.checkpoint.elastic.num_replicas:
+        from baft.pipeline.elastic import elastic_dp  # the hosts torchrun gave this job
+
+        par = cfg.parallel
+        par.num_dp = elastic_dp(cfg.checkpoint.elastic.num_replicas, par.num_pp * par.num_tp)
     mesh = init_mesh(cfg.parallel, timeout_s=timeout_s)
     trainer = Trainer(cfg, mesh)  # builds the model and protects it through baft.protect
     out = Path(cfg.out_dir)
