@@ -160,6 +160,7 @@ def test_one_rank_per_stage_computing_both_replicas_is_bit_identical(gloo, tmp_p
     assert abs(two[1][ITERATIONS - 1][2] - mean) < 1e-6
 
 
+@pytest.mark.slow  # default tier: the same resize from memory (test_shrink_and_grow_from_memory)
 def test_shrink_and_grow_through_dcp_stay_on_the_trajectory(gloo, tmp_path: Path) -> None:
     ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, ITERATIONS, False), timeout_s=240)
     root = str(tmp_path / "job")
@@ -179,7 +180,10 @@ def test_shrink_and_grow_through_dcp_stay_on_the_trajectory(gloo, tmp_path: Path
             assert grown[rank][it][0] == ref[rank][it][0], (it, rank)
 
 
-@pytest.mark.parametrize("full_every", [1, 2])
+@pytest.mark.parametrize(
+    "full_every",
+    [pytest.param(1, marks=pytest.mark.slow), 2],  # default tier: differential (the default)
+)
 def test_shrink_and_grow_from_memory(gloo, tmp_path: Path, full_every: int) -> None:
     """4 ranks -> 2 -> 4 with the stores in memory: each resize rebuilds the old job's
     shards (as its restart would) and assembles them for the new DP degree; the
