@@ -481,7 +481,7 @@ def _protect_on(
             on_step_end=[after_step],
             wait_timeout_s=ck.timeouts.collective_s,
         )
-        elastic.attach(runner, ck.elastic.num_replicas, ck.elastic.deterministic)
+        elastic.attach(runner, ck.elastic)
         runner.layout_digests = _exchange_layouts(runner, mesh)
     except BaseException:
         if runner is not None:

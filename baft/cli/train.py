@@ -259,7 +259,12 @@ def run_train(a: argparse.Namespace) -> int:
         f"schedule={par.schedule} on {par.world_size} ranks -> {cfg.out_dir}",
         flush=True,
     )
-    rc = launch(cfg, resume=a.resume)
+    if cfg.elastic_min_hosts:
+        from baft.train.hosts import launch_elastic
+
+        rc = launch_elastic(cfg, resume=a.resume)
+    else:
+        rc = launch(cfg, resume=a.resume)
     if rc == 0 and (Path(cfg.out_dir) / "summary.json").exists():
         print(f"[baft] done: {cfg.out_dir}/summary.json", flush=True)
     elif rc == 0 and cfg.checkpoint is not None:  # stopped by SIGTERM, flushed

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from baft.config import ElasticConfig
 from baft.pipeline.encoding import local
 from baft.pipeline.state import TrainingState
 
@@ -218,11 +219,11 @@ class VirtualReplicas:
             offset += n
 
 
-def attach(runner: StepRunner, num_replicas: int, deterministic: bool) -> None:
-    """Give ``runner`` virtual replicas (``num_replicas`` > 0), or refuse what they
-    cannot serve yet (ValueError): DTensor parameters (FSDP2, TP) and gradients that
-    FSDP2 averages."""
-    if not num_replicas:
+def attach(runner: StepRunner, config: ElasticConfig) -> None:
+    """Give ``runner`` the virtual replicas ``config`` asks for (none with
+    ``num_replicas`` 0), or refuse what they cannot serve yet (ValueError): DTensor
+    parameters (FSDP2, TP) and gradients that FSDP2 averages."""
+    if not config.num_replicas:
         return
     if runner.averaged_by or any(isinstance(p, DTensor) for p in runner.params):
         raise ValueError(
@@ -231,11 +232,11 @@ def attach(runner: StepRunner, num_replicas: int, deterministic: bool) -> None:
             "(FSDP2 or TP); run it without elastic replicas"
         )
     topo = runner.mesh.topology
-    k, dp = num_replicas // topo.num_dp, topo.coords(runner.mesh.rank).dp
-    hosted = range(dp * k, (dp + 1) * k)
     runner.elastic = VirtualReplicas(
-        runner.state, runner.params, hosted=hosted, num_replicas=num_replicas,
-        deterministic=deterministic, dp_group=runner.mesh.dp_group if topo.num_dp > 1 else None,
+        runner.state, runner.params,
+        hosted=config.hosted(topo.num_dp, topo.coords(runner.mesh.rank).dp),
+        num_replicas=config.num_replicas, deterministic=config.deterministic,
+        dp_group=runner.mesh.dp_group if topo.num_dp > 1 else None,
     )  # fmt: skip
 
 

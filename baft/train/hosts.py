@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from baft.train.config import TrainConfig
+from baft.train.launch import WORKER, _descendants, launch_env, prepare_run_dir
 
 log = logging.getLogger("baft")
 
@@ -78,8 +79,6 @@ def _agent_command(
 
 
 def _tree(pid: int) -> set[int]:
-    from baft.train.launch import _descendants
-
     return {pid} | _descendants(pid)
 
 
@@ -118,6 +117,16 @@ def _done_iteration(metrics: Path) -> int:
         except (ValueError, KeyError):
             continue
     return -1
+
+
+def launch_elastic(cfg: TrainConfig, *, resume: bool = False, worker: str = WORKER) -> int:
+    """:func:`baft.train.launch.launch` for an elastic run (``cfg.elastic_min_hosts``):
+    the run directory prepared the same way, then :func:`launch_hosts`."""
+    cfg.validate()
+    cfg_path = prepare_run_dir(cfg, resume=resume)
+    inprocess = cfg.inprocess and cfg.instrument
+    entry = ["-m", "baft.inprocess", "-m", worker] if inprocess else ["-m", worker]
+    return launch_hosts(cfg, cfg_path, cfg.max_restarts, entry, launch_env())
 
 
 def launch_hosts(

@@ -142,11 +142,8 @@ def launch(
     if max_restarts is None:
         max_restarts = cfg.max_restarts if cfg.checkpoint else 0
     inprocess = cfg.inprocess and cfg.checkpoint is not None and cfg.instrument
-    if cfg.elastic_min_hosts:  # a host per declared node, in an elastic node range
-        from baft.train.hosts import launch_hosts
-
-        entry = ["-m", "baft.inprocess", "-m", worker] if inprocess else ["-m", worker]
-        return launch_hosts(cfg, cfg_path, max_restarts, entry, launch_env())
+    if cfg.elastic_min_hosts:  # a host per declared node: baft.train.hosts launches it
+        raise ValueError("an elastic run launches through baft.train.hosts.launch_elastic")
     cmd = torchrun_command(
         cfg_path, cfg.parallel.world_size, max_restarts, worker, inprocess=inprocess
     )
