@@ -17,10 +17,12 @@ states and every ``state=`` object but the LR schedulers (which are the job's: s
 once per iteration, outside the loop); and it keeps each replica's gradients apart. After
 the last replica the gradients are reduced over all ``R`` replicas:
 
-- **deterministic** (the default): every rank's replicas' flat gradients are
-  all-gathered and summed in replica order, left to right, then divided by ``R``: the
-  same additions in the same order whatever ``dp`` is, so a run that shrinks from 2 to 1
-  rank per stage (or grows back) stays bit-identical to the run that never changed;
+- **deterministic** (the default): the replicas' gradients are summed in a fixed binary
+  tree over the replicas (:func:`tree_sum`), then divided by ``R``: the same additions in
+  the same order whatever ``dp`` is, so a run that shrinks from 2 to 1 rank per stage (or
+  grows back) stays bit-identical to the run that never changed. Each rank sums its own
+  replicas' subtree; two ranks add their halves with one all-reduce (the plain
+  all-reduce's cost); more ranks all-gather their subtree sums;
 - otherwise: each rank sums its replicas in order, then one all-reduce (the same
   samples; after a change of ``dp`` the sums associate differently).
 
@@ -89,6 +91,7 @@ class VirtualReplicas:
         the last replica's)."""
         self._live = self.hosted[0]
         self._grads: dict[int, list[torch.Tensor | None]] = {}
+        self._bufs: dict[int, torch.Tensor] = {}
         self.reduced = False
         """The open iteration's gradients are reduced (its replicas' loop ended)."""
 
@@ -178,35 +181,53 @@ class VirtualReplicas:
         self.reduced = True
 
     def _flat(self, r: int) -> torch.Tensor:
+        """Replica ``r``'s gradients as one flat tensor, in a buffer kept across
+        iterations (a fresh one per iteration costs its page faults: ~50 ms per 50 MiB)."""
         grads = self._grads[r]
         parts = [
             (local(g) if g is not None else torch.zeros_like(local(p))).reshape(-1)
             for p, g in zip(self.params, grads, strict=True)
         ]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        if not parts:
+            return torch.zeros(0)
+        n = sum(x.numel() for x in parts)
+        buf = self._bufs.get(r)
+        if buf is None or buf.numel() != n or buf.dtype != parts[0].dtype:
+            buf = self._bufs[r] = torch.empty(n, dtype=parts[0].dtype, device=parts[0].device)
+        torch.cat(parts, out=buf)
+        return buf
 
     def _reduce(self) -> None:
+        """The replicas' summed gradients over ``num_replicas``, into ``p.grad``.
+
+        Deterministic: the sum is a fixed binary tree over the replicas
+        (:func:`tree_sum`), whatever the ranks computing them: each rank sums the subtree
+        of its consecutive replicas, and when the job's two halves are two ranks' subtrees
+        (two DP ranks: the common shrink from two hosts to one) one all-reduce adds them
+        (a sum of two is the same bits in either order, so it costs what the plain
+        all-reduce costs); otherwise every rank's subtree sums are all-gathered and added
+        in the tree's order."""
         flats = [self._flat(r) for r in self.hosted]
-        if self.deterministic:
-            mine = torch.cat(flats) if len(flats) > 1 else flats[0]
-            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-                every = torch.empty(
-                    mine.numel() * dist.get_world_size(self.dp_group), dtype=mine.dtype,
-                    device=mine.device,
-                )  # fmt: skip
-                dist.all_gather_into_tensor(every, mine, group=self.dp_group)
-            else:
-                every = mine
-            n = flats[0].numel()
-            acc = every[:n].clone()
-            for r in range(1, self.num_replicas):  # replica order, left to right
-                acc += every[r * n : (r + 1) * n]
-        else:
-            acc = flats[0].clone()
-            for f in flats[1:]:
-                acc += f
-            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+        ranks = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        if not self.deterministic:
+            acc = tree_sum(flats)
+            if ranks > 1:
                 dist.all_reduce(acc, group=self.dp_group)
+        elif ranks == 1:
+            acc = tree_sum(flats)
+        elif is_subtree_split(self.num_replicas, len(flats), ranks):
+            acc = tree_sum(flats)  # this rank's half of the tree
+            dist.all_reduce(acc, group=self.dp_group)
+        elif blocks_are_subtrees(self.num_replicas, len(flats)):
+            mine = tree_sum(flats)
+            every = [torch.empty_like(mine) for _ in range(ranks)]
+            dist.all_gather(every, mine, group=self.dp_group)
+            acc = tree_sum(every, sizes=[len(flats)] * ranks)
+        else:  # a rank's replicas are no subtree: every replica's own gradients
+            mine = torch.cat(flats)
+            gathered = [torch.empty_like(mine) for _ in range(ranks)]
+            dist.all_gather(gathered, mine, group=self.dp_group)
+            acc = tree_sum([x for g in gathered for x in g.chunk(len(flats))])
         acc.div_(self.num_replicas)
         offset = 0
         for p in self.params:
@@ -217,6 +238,48 @@ class VirtualReplicas:
             else:
                 local(p.grad).copy_(g)
             offset += n
+
+
+def _split(n: int) -> int:
+    """Where the tree over ``n`` leaves splits: the largest power of two below ``n``."""
+    return 1 << ((n - 1).bit_length() - 1)
+
+
+def tree_sum(parts: Sequence[torch.Tensor], sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """The sum of ``parts`` in a fixed binary tree: ``tree(n) = tree(first m) + tree(rest)``
+    with ``m`` the largest power of two below ``n``. ``sizes``: each part is already the
+    tree sum of that many leaves (a rank's consecutive replicas), so the shape over the
+    leaves is the same. The result may be one of ``parts`` (summed into in place)."""
+    sizes = list(sizes) if sizes is not None else [1] * len(parts)
+    if len(parts) == 1:
+        return parts[0]
+    m, leaves = _split(sum(sizes)), 0
+    for i, k in enumerate(sizes):
+        if leaves == m:
+            left, right = tree_sum(parts[:i], sizes[:i]), tree_sum(parts[i:], sizes[i:])
+            return left.add_(right)
+        leaves += k
+    raise ValueError(f"parts of {sizes} leaves are no subtrees of the tree over {sum(sizes)}")
+
+
+def blocks_are_subtrees(num_replicas: int, per_rank: int) -> bool:
+    """Whether every rank's ``per_rank`` consecutive replicas are a subtree of the tree
+    over ``num_replicas`` (:func:`tree_sum`)."""
+    nodes: set[tuple[int, int]] = set()
+    todo = [(0, num_replicas)]
+    while todo:
+        lo, hi = todo.pop()
+        nodes.add((lo, hi))
+        if hi - lo > 1:
+            m = lo + _split(hi - lo)
+            todo += [(lo, m), (m, hi)]
+    return all((lo, lo + per_rank) in nodes for lo in range(0, num_replicas, per_rank))
+
+
+def is_subtree_split(num_replicas: int, per_rank: int, ranks: int) -> bool:
+    """Whether ``ranks`` ranks of ``per_rank`` consecutive replicas each are the two
+    halves of the tree over ``num_replicas`` (then one all-reduce of two adds them)."""
+    return ranks == 2 and _split(num_replicas) == per_rank
 
 
 def attach(runner: StepRunner, config: ElasticConfig) -> None:

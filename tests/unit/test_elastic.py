@@ -129,3 +129,27 @@ def test_a_job_back_at_a_size_it_ran_at_finds_that_size_s_plan_input(tmp_path) -
     assert PlanInput.load_for(tmp_path, 2) == two
     assert PlanInput.load_for(tmp_path, 4) == four  # grew back: re-plans at once
     assert PlanInput.load_for(tmp_path, 8) is None  # never ran with 8: profiles
+
+
+def test_the_deterministic_tree_is_the_same_however_the_replicas_are_split() -> None:
+    from baft.pipeline.elastic import blocks_are_subtrees, is_subtree_split, tree_sum
+
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(1000, generator=g) * 10 ** (i % 5) for i in range(6)]
+
+    def fresh(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.clone() for t in ts]
+
+    four = tree_sum(fresh(leaves[:4]))
+    assert torch.equal(four, (leaves[0] + leaves[1]) + (leaves[2] + leaves[3]))
+    halves = [tree_sum(fresh(leaves[:2])), tree_sum(fresh(leaves[2:4]))]
+    assert torch.equal(halves[1].clone().add_(halves[0]), four)  # an all-reduce of two
+    assert torch.equal(tree_sum(halves, sizes=[2, 2]), four)  # two ranks of two
+    three = tree_sum(fresh(leaves[:3]))
+    assert torch.equal(three, (leaves[0] + leaves[1]) + leaves[2])
+    assert is_subtree_split(2, 1, 2) and is_subtree_split(4, 2, 2)
+    assert not is_subtree_split(4, 1, 4) and not is_subtree_split(6, 3, 2)
+    assert blocks_are_subtrees(8, 2) and blocks_are_subtrees(6, 2) and blocks_are_subtrees(4, 1)
+    assert not blocks_are_subtrees(6, 3)
+    with pytest.raises(ValueError, match="no subtrees"):
+        tree_sum(fresh(leaves[:2]), sizes=[3, 3])
