@@ -13,11 +13,13 @@ override), and times one reduction per arm:
 - ``allreduce``: the old path, ``StepRunner._allreduce_grads`` itself (cat, all_reduce,
   divide by ``dp``, copy back), called on a stand-in runner;
 - ``deterministic``: ``VirtualReplicas._reduce`` itself, one replica per rank
-  (``R = dp``): cat, all_gather_into_tensor, the ordered sum, divide by ``R``, copy back;
+  (``R = dp``): the replica's flat gradient (a buffer kept across iterations), the fixed
+  tree over the replicas (two ranks: their halves added by one all_reduce; more: the
+  subtree sums all-gathered), divide by ``R``, copy back;
 - ``sum-allreduce``: ``VirtualReplicas._reduce`` with ``deterministic=False``;
 - ``deterministic-shrunk``: ``VirtualReplicas._reduce`` on a rank that computes all ``R``
   replicas itself (what a job shrunk to one rank per stage runs): no collective, the
-  ordered local sum.
+  local tree sum.
 
 **Method** (the overhead bench's, :mod:`baft_bench.stats`): the arms run interleaved in
 rounds inside one launch, each round in another order (a Williams design); per round each
@@ -712,9 +714,9 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str) -> str:
     ]
     what = {
         "allreduce": "StepRunner._allreduce_grads: cat, all_reduce, / dp, copy back",
-        "deterministic": "VirtualReplicas._reduce: cat, all_gather_into_tensor, ordered sum, / R, copy back",  # fmt: skip
-        "sum-allreduce": "VirtualReplicas._reduce, deterministic=False: cat, clone, all_reduce, / R, copy back",  # fmt: skip
-        "deterministic-shrunk": f"VirtualReplicas._reduce, all {r} replicas on one rank: cats, ordered sum, / R, no collective",  # fmt: skip
+        "deterministic": "VirtualReplicas._reduce: flat buffer, tree sum (2 ranks: one all_reduce; more: all_gather of subtree sums), / R, copy back",  # fmt: skip
+        "sum-allreduce": "VirtualReplicas._reduce, deterministic=False: flat buffer, local tree sum, all_reduce, / R, copy back",  # fmt: skip
+        "deterministic-shrunk": f"VirtualReplicas._reduce, all {r} replicas on one rank: {r} flat buffers, local tree sum, / R, no collective",  # fmt: skip
     }
     for name, m in result["arms"].items():
         ratio = m.get("ratio")
@@ -784,11 +786,14 @@ def _memory_lines(result: dict[str, Any]) -> list[str]:
     cfg = result["config"]
     r = cfg["num_dp"]
     g = max(result["grad_bytes"]) / 2**20
-    formula = {
-        "allreduce": (1, "the flat gradient"),
-        "deterministic": (r + 2, f"the flat gradient, the gather's output ({r} G), the sum"),
-        "sum-allreduce": (2, "the flat gradient and its clone"),
-        "deterministic-shrunk": (2 * r + 1, f"{r} flat gradients, their cat ({r} G), the sum"),
+    formula = {  # allocated per reduction (the elastic arms' flat buffers are kept)
+        "allreduce": (1, "the flat gradient, fresh every reduction"),
+        "deterministic": (0, "1 G flat buffer kept across iterations; 2 ranks: no gather"),
+        "sum-allreduce": (0, "1 G flat buffer kept across iterations"),
+        "deterministic-shrunk": (
+            1,
+            f"{r} G of flat buffers kept; the gradients, stashed per replica, come back new",
+        ),
     }
     rows = []
     for name, m in result["arms"].items():
@@ -797,7 +802,7 @@ def _memory_lines(result: dict[str, Any]) -> list[str]:
         rows.append(f"| {name} | {cell} | {_mib_list(m.get('memory_bytes'))} |")
     lines = [
         "Transient memory of one reduction per rank (G = the flat gradient, "
-        f"{g:.1f} MiB): the buffers the reduction's code allocates, and the measured rise of "
+        f"{g:.1f} MiB): the buffers the reduction's code allocates per reduction, and the measured rise of "
         "the process's resident high-water mark (VmHWM) over one reduction, which includes "
         "what the collective allocates inside gloo (MiB, rank 0 / rank 1 / ...):",
         "",

@@ -134,7 +134,7 @@ def test_summary_arithmetic_on_fake_timings(tmp_path: Path) -> None:
     assert "1.2% [1.2%, 1.2%] of the overhead bench's 400.0 ms iteration" in page
     assert "`deterministic == deterministic-shrunk`: identical" in page
     assert "preallocated output) | 0 | 1 / 3 |" in page
-    assert "4 G = 0 (the flat gradient" in page  # (R + 2) G for the deterministic arm
+    assert "| deterministic | 0 G = 0 (1 G flat buffer kept" in page  # kept across iterations
 
 
 def test_the_ratio_is_paired_per_round() -> None:
