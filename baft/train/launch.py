@@ -111,6 +111,8 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool = False) -> Path:
         "plan_input.json",
     ):
         (out / name).unlink(missing_ok=True)
+    for sized in out.glob("plan_input.w*.json"):  # every world size's saved inputs
+        sized.unlink(missing_ok=True)
     shutil.rmtree(out / "timeline", ignore_errors=True)
     shutil.rmtree(out / "progress", ignore_errors=True)
     shutil.rmtree(out / "logs", ignore_errors=True)

@@ -153,3 +153,20 @@ def test_the_deterministic_tree_is_the_same_however_the_replicas_are_split() -> 
     assert not blocks_are_subtrees(6, 3)
     with pytest.raises(ValueError, match="no subtrees"):
         tree_sum(fresh(leaves[:2]), sizes=[3, 3])
+
+
+def test_a_new_job_in_the_run_directory_forgets_every_size_s_plan_input(tmp_path) -> None:
+    from baft.store.records import PlanInput
+    from baft.train.config import TrainConfig
+    from baft.train.launch import prepare_run_dir
+
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), checkpoint=CheckpointConfig())
+    cfg.checkpoint.store.root = str(tmp_path / "shm")
+    prepare_run_dir(cfg)
+    PlanInput(ranks=[{"w": 4}] * 4, cost={}, world_size=4).save(cfg.out_dir)
+    PlanInput(ranks=[{"w": 2}] * 2, cost={}, world_size=2).save(cfg.out_dir)
+    prepare_run_dir(cfg, resume=True)  # the same job goes on: its inputs stay
+    assert PlanInput.load_for(cfg.out_dir, 4) is not None
+    prepare_run_dir(cfg)  # a new job: a stale plan of another job is never adopted
+    assert PlanInput.load_for(cfg.out_dir, 4) is None
+    assert PlanInput.load_for(cfg.out_dir, 2) is None
