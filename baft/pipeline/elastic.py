@@ -98,7 +98,11 @@ class VirtualReplicas:
     # ------------------------------------------------------------------ records
     def record(self, r: int, live: torch.Tensor) -> torch.Tensor:
         """Replica ``r``'s bytes of the record whose live tensor is ``live``: its saved
-        copy for its own records, the live record for the job's (LR schedulers)."""
+        copy for its own records, the live record for the job's (LR schedulers). A rank
+        with one replica keeps no copies: its live records are that replica's, captured
+        after each step as without elastic replicas."""
+        if len(self.hosted) == 1:
+            return live
         for j, t in enumerate(self.live_records):
             if t is live:
                 return self.saved[r][j]
@@ -168,13 +172,14 @@ class VirtualReplicas:
         wait, the caller's slot)."""
         self.reduced = False
         self._grads = {}
+        swap = len(self.hosted) > 1  # one replica: its records are the live ones
         for r in self.hosted:
-            if self._live != r:
+            if swap and self._live != r:
                 self._load(r)
             yield r
-            self._save(r)
             self._grads[r] = [p.grad for p in self.params]
-            if len(self.hosted) > 1:
+            if swap:
+                self._save(r)
                 for p in self.params:
                     p.grad = None
         reduce(self._reduce)

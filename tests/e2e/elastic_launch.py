@@ -37,6 +37,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from baft.train.launch import _descendants
+from tests.e2e.jobs import _environ
+
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "tests" / "e2e" / "elastic_probe.py"
 
@@ -223,33 +226,9 @@ def start_agent(
 # --- losing a host ---
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return out
-
-
 def descendants(pid: int) -> list[int]:
-    """``pid``'s live process tree below it (from /proc)."""
-    children = _children()
-    todo, found = [pid], []
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += children.get(p, [])
-    return found[1:]
-
-
-def _environ(pid: int) -> list[bytes] | None:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
+    """``pid``'s live process tree below it (the launcher's walk of /proc)."""
+    return sorted(_descendants(pid))
 
 
 def marked(mark: str) -> list[int]:
