@@ -10,6 +10,7 @@ raise at once, as a dead gloo peer's closed connection would.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -107,6 +108,10 @@ class LocalTransport:
     def all_min_async(self, values: list[int]) -> _Vote:
         """Every rank meets when it waits (ranks resolve votes in the same order)."""
         return _Vote(self, list(values))
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """No threads of its own to raise."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Nothing to release in process."""

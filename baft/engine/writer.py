@@ -212,13 +212,14 @@ class VersionWriter:
     def finish(self, v: Version, meta: dict[str, Any]) -> tuple[bool, int]:
         """After the step: wait for ``v``'s protect work and redundancy, record its
         manifest (``meta`` inside) if complete. Returns (complete, bytes encoded)."""
-        self.worker.drain()  # checksums and sends not done in bubbles: exposed
         peers_intact = True
-        try:
-            encoded = self.exchange.finish() if self.exchange is not None else 0
-        except PeerStoreGone as e:  # its store is gone: v fails the vote, the job goes on
-            log.warning("v%d is not protected: %s", v.version, e)
-            encoded, peers_intact = 0, False
+        with self.transport.waiting():  # the network's threads run at normal priority
+            self.worker.drain()  # checksums and sends not done in bubbles: exposed
+            try:
+                encoded = self.exchange.finish() if self.exchange is not None else 0
+            except PeerStoreGone as e:  # its store is gone: v fails the vote, job goes on
+                log.warning("v%d is not protected: %s", v.version, e)
+                encoded, peers_intact = 0, False
         if self.exchange is not None:
             for name, sec in self.exchange.seconds.items():
                 v.seconds[name] += sec

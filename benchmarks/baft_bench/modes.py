@@ -15,6 +15,10 @@ Every engine mode runs the same :class:`~baft.engine.engine.CheckpointEngine`; a
   CheckFreq / DCP / torch-save writing to disk every N-th checkpoint.
 - ``baft-persist-proc``: ``baft-persist`` with ``PersistConfig(writer="process")`` (DCP
   saves in a writer process per rank, reading the store's shared memory).
+- ``baft-gloo-normal``: ``baft`` with the checkpoint transport's gloo threads at normal
+  CPU priority (``BAFT_BACKGROUND_PRIORITY=threads``): what idling them bought.
+- ``baft-mem2x`` .. ``baft-mem6x``: ``baft`` with the store budget at that multiple of
+  the rank's state (a job whose smallest layout does not fit is refused: its row says so).
 - ``baft-full``: the whole state every version (``full_every=1``), network transport.
 - ``naive-async``: full snapshots all started at the iteration's start, network transport.
 
@@ -33,7 +37,8 @@ BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
 """Modes implemented in :mod:`baft_bench.baselines` (each writes to disk)."""
 ENGINE_MODES = (
     "naive-async", "baft-full", "baft", "baft-shm", "baft-noreplica", "baft-persist",
-    "baft-persist-proc",
+    "baft-persist-proc", "baft-gloo-normal", "baft-mem2x", "baft-mem3x", "baft-mem4x",
+    "baft-mem6x",
 )  # fmt: skip
 """Modes provided by ``baft.engine.engine.CheckpointEngine`` (see :data:`ENGINE_ARMS`)."""
 PEER_MODES = ("lm-resiliency", "dlrover-flash")
@@ -63,6 +68,12 @@ class EngineArm:
     """``--engine exchange=`` does not override ``paths`` (the arm is named for it)."""
     writer: str = "thread"
     """:attr:`baft.config.PersistConfig.writer`: who runs ``dcp.save``."""
+    priority: str | None = None
+    """``BAFT_BACKGROUND_PRIORITY`` while the arm's engine is built (None: as set)."""
+    budget_x: float | None = None
+    """``StoreConfig.budget_bytes`` as this multiple of the rank's state (None: derived
+    from the host): ``full_every=auto`` plans under it, admission refuses below the
+    smallest layout."""
 
 
 ENGINE_ARMS = {
@@ -73,6 +84,11 @@ ENGINE_ARMS = {
     "baft-noreplica": EngineArm(redundancy="none"),
     "baft-persist": EngineArm(persist=True),
     "baft-persist-proc": EngineArm(persist=True, writer="process"),
+    "baft-gloo-normal": EngineArm(priority="threads"),
+    "baft-mem2x": EngineArm(budget_x=2.0),
+    "baft-mem3x": EngineArm(budget_x=3.0),
+    "baft-mem4x": EngineArm(budget_x=4.0),
+    "baft-mem6x": EngineArm(budget_x=6.0),
 }
 """Each engine mode's arm (see the module docstring)."""
 assert tuple(ENGINE_ARMS) == ENGINE_MODES

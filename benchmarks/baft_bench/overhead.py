@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import resource
 import statistics
 import sys
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from baft.engine.priority import ENV as PRIORITY_ENV
 from baft_bench.aggregate import COMPONENTS, FIELDS, block_order
 from baft_bench.memory import MemoryTracker, allocated_bytes
 from baft_bench.modes import (
@@ -415,7 +417,23 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
     run_dir.mkdir(parents=True, exist_ok=True)
     scheduling = AllAtStart() if mode == "naive-async" else BubbleAware()
     ck = bcfg.engine_checkpoint(mode)
-    return build_engine(ck, run_dir, mesh, trainer.runner, scheduling=scheduling)
+    arm = ENGINE_ARMS.get(mode)
+    if arm is not None and arm.budget_x is not None:
+        from baft_bench.baselines import state_nbytes
+
+        ck.store.budget_bytes = int(arm.budget_x * state_nbytes(trainer))
+    priority = arm.priority if arm is not None else None
+    if priority is None:
+        return build_engine(ck, run_dir, mesh, trainer.runner, scheduling=scheduling)
+    before = os.environ.get(PRIORITY_ENV)
+    os.environ[PRIORITY_ENV] = priority  # read as the engine's threads start
+    try:
+        return build_engine(ck, run_dir, mesh, trainer.runner, scheduling=scheduling)
+    finally:
+        if before is None:
+            os.environ.pop(PRIORITY_ENV, None)
+        else:
+            os.environ[PRIORITY_ENV] = before
 
 
 def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tuple[dict, dict]:
