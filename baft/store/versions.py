@@ -246,7 +246,24 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+_PARSED: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+"""Records parsed before, by path, with the file's (inode, mtime ns, size) then: a version
+opens by reading every slot's record (K+1 manifests with their checksum lists), which
+read and parsed on the training thread at each version cost ~0.8 ms per iteration (py-spy,
+K=8). Every write replaces the file (a new inode), so a stat tells a record unchanged."""
+_PARSED_MAX = 4096
+
+
 def _load_json(path: Path) -> dict[str, Any] | None:
+    key = str(path)
+    try:
+        st = os.stat(key)
+    except FileNotFoundError:
+        return None
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    hit = _PARSED.get(key)
+    if hit is not None and hit[0] == stamp:
+        return dict(hit[1])
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -257,7 +274,10 @@ def _load_json(path: Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{path}: not a baft record of format {FORMAT}")
-    return obj
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.clear()
+    _PARSED[key] = (stamp, obj)
+    return dict(obj)
 
 
 def _lock_shared(fd: int, attempts: int = 1000) -> bool:

@@ -167,3 +167,25 @@ def fake_inventories(
             infos.append(fake_info(layouts[r], topology, r, v, v % 2, **extra))
         out[r] = RankInventory(r, topology.node_of(r), committed, tuple(infos))
     return out
+
+
+def test_records_are_reparsed_exactly_when_their_file_was_replaced(tmp_path: Path) -> None:
+    """The version log's parsed-record cache: a replaced record is read anew (new bytes,
+    same size included), a removed one is gone, and a caller's edits stay its own."""
+    from baft.store import versions
+
+    path = tmp_path / "slot0.json"
+    versions._write_json(path, {"format": versions.FORMAT, "state": "writing", "version": 3})
+    first = versions._load_json(path)
+    assert first is not None and first["version"] == 3
+    first["version"] = 99  # the caller's copy
+    assert versions._load_json(path) == {
+        "format": versions.FORMAT,
+        "state": "writing",
+        "version": 3,
+    }
+    versions._write_json(path, {"format": versions.FORMAT, "state": "writing", "version": 4})
+    again = versions._load_json(path)  # same size, another file (os.replace): read anew
+    assert again is not None and again["version"] == 4
+    path.unlink()
+    assert versions._load_json(path) is None
