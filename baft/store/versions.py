@@ -61,6 +61,7 @@ class VersionLog:
         self._progress: np.ndarray | None = None
         self._progress_map: mmap.mmap | None = None
         self._lock_fd = -1
+        self._parsed = _Parsed()
 
     @property
     def _commit_file(self) -> Path:
@@ -179,7 +180,7 @@ class VersionLog:
 
     def committed_version(self) -> int | None:
         """Version in the commit record, or None."""
-        rec = _load_json(self._commit_file)
+        rec = self._parsed.load(self._commit_file)
         return rec.get("version") if rec else None
 
     def clear_versions(self, keep: int | None = None) -> None:
@@ -228,7 +229,7 @@ class VersionLog:
 
     def record(self, slot: int) -> dict[str, Any] | None:
         """The slot's record as stored (None: none); ValueError if unreadable."""
-        return _load_json(self.files.file(slot, "json"))
+        return self._parsed.load(self.files.file(slot, "json"))
 
     def _forget(self, slot: int) -> None:
         self.files.file(slot, "json").unlink(missing_ok=True)
@@ -246,24 +247,7 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-_PARSED: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
-"""Records parsed before, by path, with the file's (inode, mtime ns, size) then: a version
-opens by reading every slot's record (K+1 manifests with their checksum lists), which
-read and parsed on the training thread at each version cost ~0.8 ms per iteration (py-spy,
-K=8). Every write replaces the file (a new inode), so a stat tells a record unchanged."""
-_PARSED_MAX = 4096
-
-
 def _load_json(path: Path) -> dict[str, Any] | None:
-    key = str(path)
-    try:
-        st = os.stat(key)
-    except FileNotFoundError:
-        return None
-    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-    hit = _PARSED.get(key)
-    if hit is not None and hit[0] == stamp:
-        return dict(hit[1])
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -274,10 +258,36 @@ def _load_json(path: Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{path}: not a baft record of format {FORMAT}")
-    if len(_PARSED) >= _PARSED_MAX:
-        _PARSED.clear()
-    _PARSED[key] = (stamp, obj)
-    return dict(obj)
+    return obj
+
+
+class _Parsed:
+    """Records parsed before, by path, with the file's (inode, mtime ns, size) then.
+
+    A version opens by reading every slot's record (K+1 manifests with their checksum
+    lists) and commits by reading them again: read and parsed on the training thread at
+    each version, ~0.8 ms per iteration (py-spy, K=8). Every write replaces the file (a
+    new inode), so a stat tells a record unchanged. Callers get copies."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+    def load(self, path: Path) -> dict[str, Any] | None:
+        key = str(path)
+        try:
+            st = os.stat(key)
+        except FileNotFoundError:
+            self._seen.pop(key, None)
+            return None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        hit = self._seen.get(key)
+        if hit is not None and hit[0] == stamp:
+            return dict(hit[1])
+        obj = _load_json(path)
+        if obj is None:
+            return None
+        self._seen[key] = (stamp, obj)  # keys: this store's K+1 slot records and its commit
+        return dict(obj)
 
 
 def _lock_shared(fd: int, attempts: int = 1000) -> bool:

@@ -14,7 +14,7 @@ from baft_bench.aggregate import EXTRA_MODE_KEYS, merge_extra, with_facts
 from baft_bench.cli import add_bench_parser, command_line, config_from_args
 from baft_bench.facts import MODE_FIELDS, mode_note
 from baft_bench.memory import MemoryTracker, allocated_bytes, per_rank, rss_bytes
-from baft_bench.modes import ALL_MODES, ENGINE_MODES, resolve_modes
+from baft_bench.modes import ALL_MODES, ENGINE_ARMS, ENGINE_MODES, resolve_modes
 from baft_bench.overhead import OverheadConfig
 from baft_bench.peers import ThreadCopier, peer_versions
 
@@ -41,6 +41,22 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
         "baft-noreplica": 0,
         "baft-persist": 0,
         "baft-persist-proc": 0,
+        "baft-gloo-normal": 0,
+        "baft-mem2x": 0,
+        "baft-mem3x": 0,
+        "baft-mem4x": 0,
+        "baft-mem6x": 0,
+    }
+    # the priority and budget arms differ only where they are built (the budget needs the
+    # rank's state, the priority is read as the threads start): their arm says so
+    assert {m: a.priority for m, a in ENGINE_ARMS.items() if a.priority} == {
+        "baft-gloo-normal": "threads"
+    }
+    assert {m: a.budget_x for m, a in ENGINE_ARMS.items() if a.budget_x} == {
+        "baft-mem2x": 2.0,
+        "baft-mem3x": 3.0,
+        "baft-mem4x": 4.0,
+        "baft-mem6x": 6.0,
     }
     assert ck["baft-noreplica"].policy.redundancy == "none"
     assert ck["baft"].policy.redundancy == "xor:2"
@@ -63,6 +79,8 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
         "baft-noreplica": "n/a",
         "baft-persist": "network",
         "baft-persist-proc": "network",
+        "baft-gloo-normal": "network",
+        **{f"baft-mem{n}x": "network" for n in (2, 3, 4, 6)},
     }
     assert cfg.transport("lm-resiliency") == "network"
     assert cfg.transport("dlrover-flash") == "n/a"

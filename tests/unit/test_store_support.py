@@ -175,17 +175,14 @@ def test_records_are_reparsed_exactly_when_their_file_was_replaced(tmp_path: Pat
     from baft.store import versions
 
     path = tmp_path / "slot0.json"
+    parsed = versions._Parsed()
     versions._write_json(path, {"format": versions.FORMAT, "state": "writing", "version": 3})
-    first = versions._load_json(path)
+    first = parsed.load(path)
     assert first is not None and first["version"] == 3
     first["version"] = 99  # the caller's copy
-    assert versions._load_json(path) == {
-        "format": versions.FORMAT,
-        "state": "writing",
-        "version": 3,
-    }
+    assert parsed.load(path) == {"format": versions.FORMAT, "state": "writing", "version": 3}
     versions._write_json(path, {"format": versions.FORMAT, "state": "writing", "version": 4})
-    again = versions._load_json(path)  # same size, another file (os.replace): read anew
+    again = parsed.load(path)  # same size, another file (os.replace): read anew
     assert again is not None and again["version"] == 4
     path.unlink()
-    assert versions._load_json(path) is None
+    assert parsed.load(path) is None
