@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
 from baft.config import T_IMPORT, CheckpointConfig, default_job_id
+from baft.engine.closing import JobNotEnded
 from baft.engine.transport import destroy_group
 from baft.errors import refusal
 from baft.liveness import generation
@@ -320,7 +321,9 @@ class Protected:
         iterations on every rank (after the loop, no exception in flight), it ends the
         job: the snapshot stores are freed unless ``CheckpointConfig.store.keep_on_close``
         (the log says whether the newest version is persisted to DCP); otherwise they stay
-        for a restart."""
+        for a restart. A peer that did not end with it (died in ``close()``) makes it raise
+        :class:`~baft.engine.closing.JobNotEnded` under a group restart (see there)."""
+        not_ended = None
         if self.engine is not None:
             finished = (
                 self._phase is _Phase.RUNNING
@@ -328,10 +331,12 @@ class Protected:
                 and sys.exc_info()[0] is None
             )
             with self.watchdog.section("close"):
-                ended = self.engine.close(finished=finished)
+                ended, why_not = self.engine.close(finished=finished)
             link = generation.current()
-            if link is not None:
+            if link is not None:  # in-process: the survivors re-enter with the others
                 link.closed(ended)
+            elif finished and not ended:
+                not_ended = JobNotEnded.because(why_not)
         self._phase = _Phase.ENDED
         self.runner.close()
         self.watchdog.stop()
@@ -339,6 +344,8 @@ class Protected:
             _end_groups(self.own_mesh)
             self.own_mesh = None
         generation.leave(self)
+        if not_ended is not None:
+            raise not_ended
 
     def abandon(self) -> None:
         """The job's process groups broke and an in-process recovery is under way: stop

@@ -26,6 +26,22 @@ from baft.store.records import CLOSED_FILE
 log = logging.getLogger("baft")
 
 
+class JobNotEnded(RuntimeError):
+    """``ft.close()`` ran on this rank between iterations, but not every rank ended the job
+    with it (a peer died in its last iteration or in ``close()``, or raised). Under
+    torchrun's group restart a rank that exits 0 here would leave its peers' agents
+    waiting in a rendezvous it never joins, so ``close()`` raises: every agent restarts,
+    the job restores its newest committed version and closes again, cleanly."""
+
+    @classmethod
+    def because(cls, why_not: str) -> JobNotEnded:
+        return cls(
+            f"baft: ft.close() found no agreement that the job ended: {why_not}. This rank "
+            "exits with an error so that torchrun restarts every rank: the restart restores "
+            "the newest committed version and closes again"
+        )
+
+
 def decide(
     finished: bool, committed: int | None, persisted: int | None, keep: bool
 ) -> tuple[bool, str]:
@@ -51,17 +67,22 @@ def decide(
     )
 
 
-def agree_finished(transport: Transport, finished: bool, committed: int | None) -> bool:
-    """Whether every rank closed between iterations with the same committed version.
-    Collective over the checkpoint transport; a peer that does not answer (gone) is a
-    no."""
+def agree_finished(transport: Transport, finished: bool, committed: int | None) -> tuple[bool, str]:
+    """``(agreed, why not)``: whether every rank closed between iterations with the same
+    committed version. Collective over the checkpoint transport; a peer that does not
+    answer (gone) is a no."""
     v = -1 if committed is None else committed
     try:
         low, neg_high, ok = transport.all_min_async([v, -v, int(finished)]).wait()
     except (RuntimeError, TimeoutError) as e:
-        log.warning("close: no agreement on a clean end (%s): keeping the stores", e)
-        return False
-    return bool(ok) and low == -neg_high
+        why = f"a rank did not answer ({e})"
+        log.warning("close: no agreement on a clean end: %s: keeping the stores", why)
+        return False, why
+    if not ok:
+        return False, "a rank closed with an exception in flight or inside an iteration"
+    if low != -neg_high:
+        return False, f"the ranks closed at different committed versions (v{low}..v{-neg_high})"
+    return True, ""
 
 
 def used_bytes(path: Path) -> int:
@@ -87,21 +108,22 @@ def end_of_job(
     keep: bool,
     run_dir: Path,
     rank: int,
-) -> bool:
+) -> tuple[bool, str]:
     """Agree on a clean end, then free this host's stores of the job or keep them;
     rank 0 logs which (with the bytes of its host) and records it in ``run_dir``.
     Collective; call after the last commit, with every store mapping closed. Returns
-    whether every rank agreed that the job ended (its stores then freed or kept)."""
+    whether every rank agreed that the job ended (its stores then freed or kept) and, if
+    not, why."""
     where = job_path(Path(store_root), job_id)
     size = used_bytes(where) if rank == 0 else 0
-    everywhere = agree_finished(transport, finished, committed)
+    everywhere, why_not = agree_finished(transport, finished, committed)
     persisted = latest_version(persist_dir) if persist_dir else None
     free, why = decide(everywhere, committed, persisted, keep)
     # every rank is past its last read of any store (the agreement is the barrier)
     if free:
         shutil.rmtree(where, ignore_errors=True)
     if rank != 0:
-        return everywhere
+        return everywhere, why_not
     mib = size / (1 << 20)
     if free:
         to = f" to {persist_dir}" if persisted is not None and why.endswith("persisted") else ""
@@ -120,4 +142,4 @@ def end_of_job(
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, path)
-    return everywhere
+    return everywhere, why_not

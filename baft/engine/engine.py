@@ -354,20 +354,22 @@ class CheckpointEngine:
         if self.termination is not None:
             self.termination.uninstall()
 
-    def close(self, finished: bool | None = None) -> bool:
+    def close(self, finished: bool | None = None) -> tuple[bool, str]:
         """Finish pending commit and persist; release the store mappings. ``finished``
         (collective when given): whether this rank ended between iterations; the stores
         are then freed or kept at the job's end (see :mod:`baft.engine.closing`).
         Returns whether every rank agreed that the job ended (False without
-        ``finished``)."""
+        ``finished``) and, if not, why."""
         self.writer.shutdown()
         self._resolve_commit()
+        if finished is not None:
+            self._fire("close", self.committed if self.committed is not None else 0)
         self.persisting.shutdown()
         self.slots.release()
         self.store.close()
         if self.termination is not None:
             self.termination.uninstall()
-        ended = False
+        ended: tuple[bool, str] = (False, "the job's end was not asked")
         if finished is not None:
             ended = end_of_job(
                 transport=self.transport, finished=finished, committed=self.committed,

@@ -20,7 +20,7 @@ from baft.topology import Topology
 
 KINDS = ("kill", "node", "corrupt", "delete", "power", "hang", "freeze", "slow")
 """Fault kinds, in the order the grammar lists them."""
-POINTS = ("iteration", "snapshot", "transfer", "persist", "step", "recovery")
+POINTS = ("iteration", "snapshot", "transfer", "persist", "step", "recovery", "close")
 """Places in a rank's iteration where ``FaultInjector.fire`` is called."""
 TARGETS = ("data", "redundancy")
 """Which file of a committed slot ``corrupt`` damages."""
@@ -31,7 +31,7 @@ SLOT_POINT = "slot"
 GRAMMAR = """\
 fault spec grammar: KIND[:ARGS], ARGS comma-separated key=value (a bare first value is
 the main target: rank, or node for `node`); POINT is one of
-iteration|snapshot|transfer|persist|step|recovery (default step):
+iteration|snapshot|transfer|persist|step|recovery|close (default step):
   kill:rank=R,iter=I[,at=POINT]          SIGKILL rank R
   node:N,iter=I[,at=POINT]               lose simulated node N (its stores) and SIGKILL its ranks
   corrupt:rank=R,iter=I[,target=data|redundancy][,at=POINT]
@@ -42,7 +42,9 @@ iteration|snapshot|transfer|persist|step|recovery (default step):
   freeze:rank=R,iter=I[,at=POINT]        rank R stops itself with SIGSTOP (all its threads)
   slow:rank=R,iter=I,s=SECONDS[,iters=K] rank R sleeps SECONDS at each slot for K iterations
 a fault fires once per job, the first time its rank reaches POINT in an iteration >= I
-(for at=recovery: the first restore that resumes at iteration I or later)"""
+(for at=recovery: the first restore that resumes at iteration I or later; for at=close:
+ft.close() at the job's end, its newest committed version >= I, before the ranks agree
+that the job ended)"""
 
 _KEYS: dict[str, tuple[str, ...]] = {
     "kill": ("rank", "iter", "at"),

@@ -101,13 +101,15 @@ def gpt_config(
     return cfg
 
 
-def user_args(case: Case, out: Path, store_root: Path | None, job_id: str = "") -> list[str]:
+def user_args(
+    case: Case, out: Path, store_root: Path | None, job_id: str = "", iterations: int = ITERATIONS
+) -> list[str]:
     dp, pp, tp = case.dims
     if case.app == "fsdp2":  # the torchtitan-shaped example: its dp is FSDP2's dp_shard
-        args = [str(FSDP2_SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}"]
+        args = [str(FSDP2_SCRIPT), f"--out={out}", f"--iterations={iterations}"]
         args += [f"--dp-shard={dp}", f"--pp={pp}", f"--tp={tp}"]
     else:
-        args = [str(USER_SCRIPT), f"--out={out}", f"--iterations={ITERATIONS}", f"--dp={dp}"]
+        args = [str(USER_SCRIPT), f"--out={out}", f"--iterations={iterations}", f"--dp={dp}"]
     args += [f"--schedule={case.schedule}", f"--microbatches={microbatches(case)}"]
     if case.app == "user-unique":
         args.append("--unique-fqns")
@@ -126,8 +128,15 @@ def user_args(case: Case, out: Path, store_root: Path | None, job_id: str = "") 
 
 
 def torchrun(
-    nproc: int, log_dir: Path, rdzv: tuple[int, str, str] | None, max_restarts: int = MAX_RESTARTS
+    nproc: int,
+    log_dir: Path,
+    rdzv: tuple[int, str, str] | None,
+    max_restarts: int = MAX_RESTARTS,
+    redirect: bool = True,
 ) -> list[str]:
+    """The agent's command. ``redirect``: workers write to files under ``log_dir``, one
+    directory per restart (else into the agent's output: their exits race the agent's
+    differently, as a user's plain ``torchrun`` does)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if rdzv is None:
         cmd.append("--standalone")
@@ -138,12 +147,8 @@ def torchrun(
             f"--rdzv-id={rdzv_id}", "--rdzv-conf=is_host=false,join_timeout=300",
             f"--local-addr={addr}",
         ]  # fmt: skip
-    return cmd + [
-        f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.1",
-        f"--log-dir={log_dir}",
-        "--redirects=3",
-    ]
+    cmd += [f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
+    return cmd + ([f"--log-dir={log_dir}", "--redirects=3"] if redirect else [])
 
 
 # --- processes, found from outside ---
@@ -276,6 +281,13 @@ class Job:
     iterations: int = ITERATIONS
     max_restarts: int = MAX_RESTARTS
     log: list[str] = field(default_factory=list)
+    inject: list[str] = field(default_factory=list)
+    """Faults the job injects itself (``ft.inject``: ``baft train --inject``, the user
+    script's ``--inject``), for points no outside signal can aim at."""
+    redirect: bool = True
+    """Workers' output to files (``--redirects=3``), or into the agent's log."""
+    extra_args: list[str] = field(default_factory=list)
+    """More arguments to the user script (``--after-close=S``...)."""
     before: dict[int, int] = field(default_factory=dict)
     """The training processes (rank -> pid) just before the fault."""
     victims: list[int] = field(default_factory=list)
@@ -297,15 +309,19 @@ class Job:
         two = c.hosts != "one"
         nproc = c.world // 2 if two else c.world
         rdzv = (port, f"mx{self.launches}", ADDRS[host]) if two and port else None
-        head = torchrun(nproc, out / f"logs-{host}-{self.launches}", rdzv, self.max_restarts)
+        logs = out / f"logs-{host}-{self.launches}"
+        head = torchrun(nproc, logs, rdzv, self.max_restarts, self.redirect)
         store = self.root / host
         if c.app == "gpt":
             cfg = gpt_config(c, out, store, self.job_id, self.iterations, self.max_restarts)
+            cfg.inject = list(self.inject)
             cfg.validate()
             path = out / f"config-{host}.json"
             path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             return [*head, *entry(c), "-m", "baft.train.worker", str(path)]
-        return [*head, *entry(c), *user_args(c, out, store, self.job_id)]
+        args = user_args(c, out, store, self.job_id, self.iterations)
+        args += [*self.extra_args, *(f"--inject={f}" for f in self.inject)]
+        return [*head, *entry(c), *args]
 
     def start(self, hosts: list[str]) -> None:
         port = None
@@ -529,7 +545,8 @@ def reference(case: Case, out: Path, iterations: int = ITERATIONS) -> dict[str, 
         cmd = [*torchrun(case.world, out / "logs", None), "-m", "baft.train.worker"]
         cmd.append(str(prepare_run_dir(cfg)))
     else:
-        cmd = [*torchrun(case.world, out / "logs", None), *user_args(case, out, None)]
+        args = user_args(case, out, None, iterations=iterations)
+        cmd = [*torchrun(case.world, out / "logs", None), *args]
     with open(out / "agent.log", "w") as f:
         rc = subprocess.run(
             cmd, env=launch_env(), stdout=f, stderr=subprocess.STDOUT, cwd=REPO

@@ -173,6 +173,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--module-socket", action="store_true")
     p.add_argument("--after-close", type=float, default=0.0)
+    p.add_argument("--inject", action="append", default=[], help="a baft fault spec (tests)")
     return p.parse_args()
 
 
@@ -223,6 +224,8 @@ def main() -> None:  # noqa: PLR0915 - one straight user loop
             state={"lr_scheduler": scheduler, "sampler": sampler},
             average_gradients=False if a.dp > 1 else None,
         )
+        if a.inject:
+            ft.inject(a.inject)
         start = ft.restore()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

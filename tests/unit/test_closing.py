@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from baft.engine.closing import decide
+import threading
+
+from baft.engine.closing import JobNotEnded, agree_finished, decide
+from baft.engine.local_transport import LocalTransport
 
 
 def test_a_job_that_did_not_end_keeps_its_stores() -> None:
@@ -31,3 +34,44 @@ def test_unpersisted_newest_version_is_kept_only_when_asked() -> None:
         "CheckpointConfig.store.keep_on_close=True to keep it in memory",
     )
     assert decide(True, None, None, True) == (True, "no version was committed")
+
+
+def _agree(
+    values: list[tuple[bool, int | None]], fail: int | None = None
+) -> list[tuple[bool, str]]:
+    """``agree_finished`` on every rank of an in-process group, each with its
+    ``(finished, committed)``; rank ``fail`` dies instead of answering."""
+    group = LocalTransport.group(len(values), timeout_s=5.0)
+    out: list[tuple[bool, str]] = [(False, "")] * len(values)
+
+    def rank(r: int) -> None:
+        if r == fail:
+            group[r].fail()
+            return
+        out[r] = agree_finished(group[r], *values[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_every_rank_agrees_on_one_clean_end() -> None:
+    assert _agree([(True, 7), (True, 7)]) == [(True, ""), (True, "")]
+    assert _agree([(True, None), (True, None)]) == [(True, ""), (True, "")]
+
+
+def test_no_agreement_says_why() -> None:
+    inside = "a rank closed with an exception in flight or inside an iteration"
+    assert _agree([(True, 7), (False, 7)]) == [(False, inside)] * 2
+    versions = "the ranks closed at different committed versions (v6..v7)"
+    assert _agree([(True, 7), (True, 6)]) == [(False, versions)] * 2
+    ok, why = _agree([(True, 7), (True, 7)], fail=1)[0]
+    assert not ok and why.startswith("a rank did not answer (") and "failed" in why
+
+
+def test_the_error_tells_the_user_what_happens_next() -> None:
+    text = str(JobNotEnded.because("a rank did not answer (reset)"))
+    assert "a rank did not answer (reset)" in text and "torchrun restarts every rank" in text
