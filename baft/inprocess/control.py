@@ -12,6 +12,8 @@ Keys (under ``baft-inprocess/``):
 - ``kill/G``: ranks whose process must be replaced in generation ``G`` (frozen ranks a
   watchdog named), appended as ``"r,"``.
 - ``beat/R``: supervisor ``R``'s heartbeat counter; ``done/R``: its child finished.
+- ``lease``: the port where rank 0's supervisor takes every peer supervisor's lease
+  connection (:mod:`baft.inprocess.lease`: a peer's death is seen at once).
 - ``ended``: some rank's training function returned after ``ft.close()`` agreed on
   every rank: the job ended, a failure after it is the rank's own (no recovery).
 - ``giveup``: why in-process recovery gave up: every supervisor stops its child and
@@ -98,6 +100,14 @@ class Control:
                 del self._gen_stores[old]
             self.store.set(f"port/{g}", str(store.port))
         return self._gen_stores[g].port
+
+    def publish_lease(self, port: int) -> None:
+        """Rank 0: where its supervisor takes leases (:mod:`baft.inprocess.lease`)."""
+        self.store.set("lease", str(port))
+
+    def lease_port(self) -> int:
+        """Where rank 0's supervisor takes leases (waits for it, up to the store timeout)."""
+        return int(self.store.get("lease"))
 
     def beat(self, seq: int) -> None:
         self.store.set(f"beat/{self.rank}", str(seq))

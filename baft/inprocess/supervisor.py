@@ -49,6 +49,7 @@ from baft.config import InprocessTimeouts
 from baft.inprocess import messages as msg
 from baft.inprocess.child import Target, child_main
 from baft.inprocess.control import Control
+from baft.inprocess.lease import LeaseServer, hold_lease
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
 from baft.inprocess.preload import forkserver_context
 from baft.liveness.generation import Generation
@@ -91,6 +92,16 @@ class Supervisor:
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.rank,
             self.world_size, timeout_s=options.timeouts.store_s,
         )  # fmt: skip
+        self.lease: LeaseServer | None = None
+        """Rank 0: every peer supervisor's lease (a death seen at once, not after silence)."""
+        self._lease_held: Any = None
+        """A peer: its end of the lease, open for the supervisor's life."""
+        if self.world_size > 1 and self.rank == 0:
+            self.lease = LeaseServer()
+            self.control.publish_lease(self.lease.port)
+        elif self.world_size > 1:
+            port = self.control.lease_port()
+            self._lease_held = hold_lease(os.environ["MASTER_ADDR"], port, self.rank)
         self.agent = os.getppid()
         """The torchrun agent that started this supervisor: when it is gone (killed
         with SIGKILL, which leaves its workers behind), so is the job."""
@@ -111,6 +122,7 @@ class Supervisor:
         self._peer_seen: dict[int, tuple[bytes, float]] = {}
         """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
         self._done: set[int] = set()
+        self._lease_gone: set[int] = set()
         self._told_at: float | None = None
         """When the child was told of a generation it has not entered yet (monotonic)."""
         self.ended = False
@@ -188,7 +200,10 @@ class Supervisor:
                 beats = self.control.beats()
             except (RuntimeError, OSError):
                 return
+            gone = set(self.lease.poll()) if self.lease is not None else set()
+            self._lease_gone |= gone
             waiting = {r for r, b in beats.items() if b != b"done"} - set(silent)
+            waiting -= self._lease_gone
             if len(beats) == self.world_size - 1 and not waiting:
                 return
             time.sleep(self.options.poll_s)
@@ -196,8 +211,9 @@ class Supervisor:
     def _loop(self) -> int:
         while True:
             waits = [self.child.sentinel] + ([self.conn] if self.conn is not None else [])
-            wait(waits, timeout=self.options.poll_s)
+            wait(waits + (self.lease.waitables() if self.lease else []), self.options.poll_s)
             self._read_messages()
+            self._check_leases()
             if self.child.exitcode is not None:
                 code = self._on_exit(self.child.exitcode)
                 if code is not None:
@@ -215,6 +231,22 @@ class Supervisor:
             silent = self._watch_peers()
             if silent:
                 self.control.give_up(f"the supervisors of ranks {silent} are silent (host lost?)")
+
+    def _check_leases(self) -> None:
+        """Rank 0: a peer supervisor whose lease ended without finishing is gone with its
+        host (or its torchrun agent): in-process recovery cannot replace it, so give up
+        now (the group restart, which may shrink an elastic job) instead of after
+        ``peer_silence_s`` of silence."""
+        gone = self.lease.poll() if self.lease is not None else []
+        if not gone or self.terminating or self.ended:
+            return
+        beats = self.control.beats()
+        lost = [r for r in gone if beats.get(r) != b"done"]
+        if lost and self.control.given_up() is None:
+            log.warning("baft supervisor 0: the supervisors of ranks %s are gone", lost)
+            self.control.give_up(
+                f"the supervisors of ranks {lost} are gone (their host or torchrun agent died)"
+            )
 
     def _read_messages(self) -> None:
         while self.conn is not None and self.conn.poll():
