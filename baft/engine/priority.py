@@ -41,8 +41,9 @@ def lower_thread_priority(kind: str = "worker") -> bool:
     return set_thread_idle(threading.get_native_id(), True)
 
 
-def set_thread_idle(native_id: int, idle: bool) -> bool:
-    """Move a thread of this process to ``SCHED_IDLE`` or back to ``SCHED_OTHER``.
+def set_thread_idle(native_id: int, idle: bool, quiet: bool = False) -> bool:
+    """Move a thread of this process to ``SCHED_IDLE`` or back to ``SCHED_OTHER``;
+    ``quiet``: a refusal is expected (the thread may have ended) and not logged.
 
     Waiting on an idle-priority thread is a priority inversion: while the training
     thread waits for it (the worker's drain at the step), any runnable thread of another
@@ -55,7 +56,8 @@ def set_thread_idle(native_id: int, idle: bool) -> bool:
     try:
         setter(native_id, policy, os.sched_param(0))
     except OSError as err:
-        _warn_normal_priority(str(err))
+        if not quiet:
+            _warn_normal_priority(str(err))
         return False
     return True
 
@@ -98,13 +100,8 @@ class ForeignThreads:
             self.idle = all([set_thread_idle(i, True) for i in self.ids])
 
     def _set(self, idle: bool) -> None:
-        for i in self.ids:
-            try:
-                os.sched_setscheduler(
-                    i, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0)
-                )
-            except OSError:  # the thread ended (its group destroyed): nothing to raise
-                continue
+        for i in self.ids:  # a thread that ended (its group destroyed) is no error
+            set_thread_idle(i, idle, quiet=True)
 
     @contextlib.contextmanager
     def boosted(self) -> Iterator[None]:

@@ -16,7 +16,16 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux sch
 
 
 def _policies(ids: tuple[int, ...]) -> set[int]:
-    return {os.sched_getscheduler(i) for i in ids}
+    """The scheduling policies of the threads of ``ids`` that are still running (one
+    failure here under load, not reproduced in 13 runs: a thread found by the /proc
+    diff that ended would raise; the gloo loop, asserted by name, does not end)."""
+    out = set()
+    for i in ids:
+        try:
+            out.add(os.sched_getscheduler(i))
+        except ProcessLookupError:
+            continue
+    return out
 
 
 def _idle_thread() -> tuple[threading.Thread, threading.Event, int]:
