@@ -88,10 +88,24 @@ class LeaseServer:
         self._conns.clear()
 
 
+def serve_leases() -> LeaseServer | None:
+    """Rank 0's supervisor's listener, or None (logged) when it cannot listen: the peers
+    are then told port 0 and keep only their heartbeats."""
+    try:
+        return LeaseServer()
+    except OSError as e:
+        log.warning("baft supervisor 0: no lease listener (%s): lost hosts are found by "
+                    "heartbeat silence only", e)  # fmt: skip
+        return None
+
+
 def hold_lease(host: str, port: int, rank: int) -> socket.socket | None:
     """A peer supervisor's end: connect to rank 0's supervisor and name this rank; the
     socket must stay open (referenced) for the supervisor's life. None (logged) when
-    rank 0's listener cannot be reached: its heartbeats alone then tell it is alive."""
+    rank 0's listener cannot be reached: its heartbeats alone then tell it is alive;
+    None at once for port 0 (rank 0 has no listener, :func:`serve_leases`)."""
+    if port == 0:
+        return None
     try:
         sock = socket.create_connection((host, port), timeout=_CONNECT_S)
         sock.sendall(f"{rank}\n".encode())

@@ -49,7 +49,7 @@ from baft.config import InprocessTimeouts
 from baft.inprocess import messages as msg
 from baft.inprocess.child import Target, child_main
 from baft.inprocess.control import Control
-from baft.inprocess.lease import LeaseServer, hold_lease
+from baft.inprocess.lease import LeaseServer, hold_lease, serve_leases
 from baft.inprocess.policy import Ledger, must_replace, silent_peers
 from baft.inprocess.preload import forkserver_context
 from baft.liveness.generation import Generation
@@ -97,8 +97,8 @@ class Supervisor:
         self._lease_held: Any = None
         """A peer: its end of the lease, open for the supervisor's life."""
         if self.world_size > 1 and self.rank == 0:
-            self.lease = LeaseServer()
-            self.control.publish_lease(self.lease.port)
+            self.lease = serve_leases()
+            self.control.publish_lease(self.lease.port if self.lease is not None else 0)
         elif self.world_size > 1:
             port = self.control.lease_port()
             self._lease_held = hold_lease(os.environ["MASTER_ADDR"], port, self.rank)

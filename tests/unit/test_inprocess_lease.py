@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from baft.inprocess.lease import LeaseServer, hold_lease
+from baft.inprocess.lease import LeaseServer, hold_lease, serve_leases
 
 
 def _poll_until(server: LeaseServer, held: set[int], timeout_s: float = 10.0) -> list[int]:
@@ -80,3 +80,16 @@ def test_no_listener_means_no_lease_and_a_warning(caplog: pytest.LogCaptureFixtu
         with caplog.at_level(logging.WARNING, logger="baft"):
             assert hold_lease("127.0.0.1", port, 1) is None
     assert "found by heartbeat silence only" in caplog.text
+
+
+def test_a_listener_that_failed_is_port_zero_and_no_lease(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no address")
+
+    monkeypatch.setattr(socket, "create_server", refuse)
+    with caplog.at_level(logging.WARNING, logger="baft"):
+        assert serve_leases() is None
+    assert "no lease listener (no address)" in caplog.text
+    assert hold_lease("127.0.0.1", 0, 1) is None  # what a peer is told: no connection tried
