@@ -4,7 +4,8 @@ tests/e2e/user_script.py (4 ranks, dp=2 x pp=2, BatchNorm, a sampler in ``state=
 DataLoader workers, work after ``ft.close()``) under plain torchrun, with and without
 ``-m baft.inprocess``; from another process at a random iteration and delay: kill -9 of a
 training process (group restart and in-process), SIGSTOP (in-process), SIGTERM to
-torchrun with the store root wiped and a relaunch; each final state against the same
+torchrun with the store root wiped and a relaunch, kill -9 of a rank's supervisor
+(in-process: torchrun restarts the group); each final state against the same
 script run ``--unprotected``. About 4 minutes on 2 cores.
 
     .venv/bin/python tools/user_faults.py [SEED]
@@ -100,6 +101,19 @@ def workers(pid):
     return res
 
 
+def supervisors(pid):
+    """torchrun's own workers under ``-m baft.inprocess``: each rank's supervisor."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def same(a, b):
     return all(
         json.loads((a / f"state.rank{r}.json").read_text())
@@ -121,6 +135,7 @@ for name, inprocess, sig in [
     ("inproc-kill", True, signal.SIGKILL),
     ("inproc-stop", True, signal.SIGSTOP),
     ("group-sigterm", False, signal.SIGTERM),
+    ("inproc-supervisor-kill", True, signal.SIGKILL),  # a rank's supervisor, not its child
 ]:
     out, store = BASE / name, BASE / f"shm-{name}"
     agent = subprocess.Popen(
@@ -142,7 +157,8 @@ for name, inprocess, sig in [
             stderr=subprocess.DEVNULL,
         )
     else:
-        victim = rng.choice(workers(agent.pid))
+        pick = supervisors if name.endswith("supervisor-kill") else workers
+        victim = rng.choice(pick(agent.pid))
         os.kill(victim, sig)
     rc = agent.wait(300)
     recs = (
