@@ -696,11 +696,17 @@ def run_case(case: Case, tmp: Path, ref: dict[str, Any]) -> tuple[list[str], str
             problems.append(job.tail())
         return problems, f"fault: {did}\n{repro(case, job)}"
     finally:
-        for agent in job.agents.values():
-            if agent.poll() is None:
-                kill_agent(agent)
         if case.fault == "hang":  # the watchdog should have killed it already
             signal_all(stopped, signal.SIGKILL)
-        reap(root.name)
-        job.rdzv = None
-        shutil.rmtree(root, ignore_errors=True)
+        stop_job(job)
+
+
+def stop_job(job: Job) -> None:
+    """Whatever of ``job`` still runs is killed (agents, processes that escaped them), its
+    rendezvous store closed and its store root removed."""
+    for agent in job.agents.values():
+        if agent.poll() is None:
+            kill_agent(agent)
+    reap(job.root.name)
+    job.rdzv = None
+    shutil.rmtree(job.root, ignore_errors=True)

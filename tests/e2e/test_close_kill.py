@@ -16,7 +16,6 @@ own process at that point): no signal from outside can aim at a window of millis
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +64,7 @@ def _run(case: Case, tmp_path: Path, ref: dict[str, Any], victim: int) -> tuple[
             pytest.fail("\n".join([*problems, job.tail()]), pytrace=False)
         return job, rcs
     finally:
-        for agent in job.agents.values():
-            if agent.poll() is None:
-                jobs.kill_agent(agent)
-        jobs.reap(root.name)
-        job.rdzv = None
-        shutil.rmtree(root, ignore_errors=True)
+        jobs.stop_job(job)
 
 
 def test_group_restart_ends_cleanly_after_a_rank_dies_in_close(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -75,9 +74,4 @@ def test_a_killed_supervisor_restarts_the_group_from_memory(tmp_path: Path, host
         assert [(r["source"], jobs.generation(r)) for r in recs] == [("memory", 0)], where
         assert [p for p in before.values() if _alive(p)] == [], where
     finally:
-        for agent in job.agents.values():
-            if agent.poll() is None:
-                jobs.kill_agent(agent)
-        jobs.reap(root.name)
-        job.rdzv = None
-        shutil.rmtree(root, ignore_errors=True)
+        jobs.stop_job(job)
