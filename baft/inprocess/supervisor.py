@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
@@ -94,7 +95,7 @@ class Supervisor:
         )  # fmt: skip
         self.lease: LeaseServer | None = None
         """Rank 0: every peer supervisor's lease (a death seen at once, not after silence)."""
-        self._lease_held: Any = None
+        self._lease_held: socket.socket | None = None
         """A peer: its end of the lease, open for the supervisor's life."""
         if self.world_size > 1 and self.rank == 0:
             self.lease = serve_leases()
@@ -122,7 +123,6 @@ class Supervisor:
         self._peer_seen: dict[int, tuple[bytes, float]] = {}
         """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
         self._done: set[int] = set()
-        self._lease_gone: set[int] = set()
         self._told_at: float | None = None
         """When the child was told of a generation it has not entered yet (monotonic)."""
         self.ended = False
@@ -194,16 +194,15 @@ class Supervisor:
         """Rank 0's child ended: keep the control store up until every peer's child
         finished too (their work after ``ft.close()`` may take long), or fell silent (its
         host is gone), beating meanwhile so that no peer takes this host for lost."""
+        gone: set[int] = set()  # peers whose lease ended: their process is gone
         while True:
             try:
                 silent = self._watch_peers()
                 beats = self.control.beats()
             except (RuntimeError, OSError):
                 return
-            gone = set(self.lease.poll()) if self.lease is not None else set()
-            self._lease_gone |= gone
-            waiting = {r for r, b in beats.items() if b != b"done"} - set(silent)
-            waiting -= self._lease_gone
+            gone.update(self.lease.poll() if self.lease is not None else [])
+            waiting = {r for r, b in beats.items() if b != b"done"} - set(silent) - gone
             if len(beats) == self.world_size - 1 and not waiting:
                 return
             time.sleep(self.options.poll_s)

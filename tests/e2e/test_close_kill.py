@@ -42,7 +42,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return jobs.reference(_case("group"), tmp_path_factory.mktemp("ref"), ITERATIONS)
 
 
-def _run(case: Case, tmp_path: Path, ref: dict[str, Any], victim: int) -> tuple[jobs.Job, dict]:
+def _run(case: Case, tmp_path: Path, ref: dict[str, Any], victim: int) -> jobs.Job:
     root = Path("/dev/shm") / f"baft-close-{tmp_path.name}"
     out = tmp_path / "run"
     out.mkdir()
@@ -62,7 +62,7 @@ def _run(case: Case, tmp_path: Path, ref: dict[str, Any], victim: int) -> tuple[
         problems += jobs.check_training(case, job, ref, ITERATIONS)
         if problems:
             pytest.fail("\n".join([*problems, job.tail()]), pytrace=False)
-        return job, rcs
+        return job
     finally:
         jobs.stop_job(job)
 
@@ -70,7 +70,7 @@ def _run(case: Case, tmp_path: Path, ref: dict[str, Any], victim: int) -> tuple[
 def test_group_restart_ends_cleanly_after_a_rank_dies_in_close(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    job, _ = _run(_case("group"), tmp_path, reference, victim=1)
+    job = _run(_case("group"), tmp_path, reference, victim=1)
     fired = jobs.read_jsonl(job.out / "faults.jsonl")
     assert [(f["rank"], f["point"]) for f in fired] == [(1, "close")]
     recs = jobs.read_jsonl(job.out / "recoveries.jsonl")
@@ -86,7 +86,7 @@ def test_group_restart_ends_cleanly_after_a_rank_dies_in_close(
 def test_inprocess_ends_cleanly_after_a_rank_dies_in_close(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    job, _ = _run(_case("inprocess"), tmp_path, reference, victim=1)
+    job = _run(_case("inprocess"), tmp_path, reference, victim=1)
     recs = jobs.read_jsonl(job.out / "recoveries.jsonl")
     assert [(r["attempt"], r["source"], r["restored_version"]) for r in recs] == [
         (0, "memory", ITERATIONS - 1)
