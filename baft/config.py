@@ -160,6 +160,17 @@ class ElasticConfig:
         return range(dp * k, (dp + 1) * k)
 
 
+def dp_degree(num_replicas: int, world_size: int, model_ranks: int) -> int | None:
+    """The DP degree a world of ``world_size`` ranks runs ``num_replicas`` elastic
+    replicas with, when every copy of the model takes ``model_ranks`` ranks (``pp * tp``);
+    None when it cannot hold a whole copy with a degree dividing the replicas (a stage's
+    only copy was on a lost host)."""
+    if model_ranks < 1 or world_size % model_ranks:
+        return None
+    dp = world_size // model_ranks
+    return dp if dp >= 1 and num_replicas % dp == 0 else None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InprocessTimeouts:
     """Every bound of in-process recovery (:mod:`baft.inprocess`); set each with its

@@ -33,6 +33,7 @@ from typing import Any
 
 from baft.config import InprocessTimeouts
 from baft.inprocess import messages as msg
+from baft.inprocess.policy import Elastic
 from baft.inprocess.sockets import shutdown_tcp, tcp_inodes
 from baft.liveness.generation import GENERATION_ENV, Generation
 from baft.liveness.loader import keep_loader_workers_through_sigterm
@@ -96,6 +97,9 @@ class Channel:
 
     def suspect(self, ranks: list[int], reason: str) -> None:
         self._send(msg.Suspect(self.generation.number, tuple(sorted(ranks)), reason))
+
+    def elastic(self, num_replicas: int, model_ranks: int) -> None:
+        self._send(Elastic(num_replicas, model_ranks))
 
     def ended(self) -> None:
         """The training function returned after the job's agreed end."""
@@ -205,10 +209,18 @@ class Channel:
         self.generation = gen
         self.close_agreed = None
         self.entered_at = time.time()
-        os.environ["MASTER_PORT"] = str(gen.port)
-        os.environ[GENERATION_ENV] = str(gen.number)
+        enter_environment(gen)
+        self.rank = int(os.environ.get("RANK", self.rank))
         self._send(msg.Entered(gen.number))
         return gen
+
+
+def enter_environment(gen: Generation) -> None:
+    """What ``init_process_group`` reads in generation ``gen``: its store as
+    ``MASTER_PORT``, and the rank and world of a job that shrank (:attr:`Generation.env`)."""
+    os.environ.update(dict(gen.env))
+    os.environ["MASTER_PORT"] = str(gen.port)
+    os.environ[GENERATION_ENV] = str(gen.number)
 
 
 class SigtermHold:

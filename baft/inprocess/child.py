@@ -21,9 +21,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from baft.inprocess.channel import Channel
+from baft.inprocess.channel import Channel, enter_environment
 from baft.liveness import generation as link
-from baft.liveness.generation import GENERATION_ENV, Generation
+from baft.liveness.generation import Generation
 
 _PR_SET_NAME = 15
 
@@ -79,6 +79,7 @@ def child_main(target: Target, conn: Any, generation: Generation) -> None:
     # back to the platform's default, as under ``python script.py`` (DataLoader workers
     # are forked from the training process, not started from a fresh interpreter)
     multiprocessing.set_start_method(None, force=True)
+    enter_environment(generation)  # a replacement in a shrunk job takes its new rank
     rank = int(os.environ.get("RANK", "0"))
     _prctl(_PR_SET_NAME, ctypes.c_char_p(f"baft-rank{rank}".encode()[:15]))
     to_set, conflicts = nccl_env(os.environ)
@@ -87,9 +88,7 @@ def child_main(target: Target, conn: Any, generation: Generation) -> None:
         logging.getLogger("baft").warning(
             "baft: NCCL settings against in-process recovery: %s", "; ".join(conflicts)
         )
-    os.environ["MASTER_PORT"] = str(generation.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    os.environ[GENERATION_ENV] = str(generation.number)
     link.install(Channel(conn, generation, rank))
     sys.argv = [target.path, *target.args]
     if target.module:

@@ -12,6 +12,9 @@ Keys (under ``baft-inprocess/``):
 - ``kill/G``: ranks whose process must be replaced in generation ``G`` (frozen ranks a
   watchdog named), appended as ``"r,"``.
 - ``beat/R``: supervisor ``R``'s heartbeat counter; ``done/R``: its child finished.
+- ``host/R``: rank ``R``'s host (torchrun's ``GROUP_RANK``).
+- ``world``: ``"G|r:h,..."``: from generation ``G`` on, the job runs on these launch ranks
+  (and their hosts) alone: it shrank in-process after losing a host (elastic replicas).
 - ``lease``: the port where rank 0's supervisor takes every peer supervisor's lease
   connection (:mod:`baft.inprocess.lease`: a peer's death is seen at once).
 - ``ended``: some rank's training function returned after ``ft.close()`` agreed on
@@ -55,6 +58,10 @@ class Control:
             self.store.set("gen", "0")
         self._gen_stores: dict[int, dist.TCPStore] = {}
         """Rank 0: the generation stores it hosts (the newest two are kept)."""
+        self.hosted = -1
+        """Rank 0: the newest generation whose store it opened (nobody entered a newer one)."""
+        self.members: tuple[int, ...] = tuple(range(world_size))
+        """The launch ranks in the job now (fewer after an in-process shrink)."""
 
     def generation(self) -> int:
         return int(self.store.get("gen"))
@@ -96,10 +103,39 @@ class Control:
                 timeout=timedelta(seconds=60),
             )  # fmt: skip
             self._gen_stores[g] = store
+            self.hosted = max(self.hosted, g)
             for old in [k for k in self._gen_stores if k < g - 1]:
                 del self._gen_stores[old]
             self.store.set(f"port/{g}", str(store.port))
         return self._gen_stores[g].port
+
+    def publish_host(self, host: int) -> None:
+        """This rank's host (torchrun's ``GROUP_RANK``): a shrink drops whole hosts."""
+        self.store.set(f"host/{self.rank}", str(host))
+
+    def hosts(self) -> dict[int, int] | None:
+        """Every launch rank's host, as each supervisor published it (None until all did)."""
+        keys = [f"host/{r}" for r in range(self.world_size)]
+        if not self.store.check(keys):
+            return None
+        return {r: int(v) for r, v in enumerate(self.store.multi_get(keys))}
+
+    def shrink(self, first: int, host_of: dict[int, int]) -> None:
+        """Rank 0: from generation ``first`` on, the job runs on the ranks of ``host_of``
+        (launch rank -> host) alone; set before ``first``'s store is opened, so that no
+        supervisor enters it with the old world."""
+        world = ",".join(f"{r}:{h}" for r, h in sorted(host_of.items()))
+        self.store.set("world", f"{first}|{world}")
+
+    def world(self, g: int) -> dict[int, int] | None:
+        """The ranks (launch rank -> host) of generation ``g`` when the job shrank at or
+        before it, else None (the launch's world)."""
+        if not self.store.check(["world"]):
+            return None
+        first, _, world = self.store.get("world").decode().partition("|")
+        if g < int(first):
+            return None
+        return {int(r): int(h) for r, h in (pair.split(":") for pair in world.split(","))}
 
     def publish_lease(self, port: int) -> None:
         """Rank 0: where its supervisor takes leases (:mod:`baft.inprocess.lease`)."""
@@ -116,7 +152,7 @@ class Control:
         """Every started peer's heartbeat, or ``b"done"`` once it finished: one read of
         the store for all of them (the keys exist from the start, empty until a peer's
         first beat)."""
-        peers = [r for r in range(self.world_size) if r != self.rank]
+        peers = [r for r in self.members if r != self.rank]
         if not peers:
             return {}
         values = self.store.multi_get([f"beat/{r}" for r in peers])

@@ -4,13 +4,15 @@ One frozen dataclass per message, pickled by the ``multiprocessing`` Connection;
 names the generation it belongs to, so a message of an older generation is told apart.
 
 - **down** (supervisor -> training process): :class:`Announce`.
-- **up** (training process -> supervisor): every other class here.
+- **up** (training process -> supervisor): every other class here, and
+  :class:`baft.inprocess.policy.Elastic` (the job's elastic replicas: it may shrink).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baft.inprocess.policy import Elastic
 from baft.liveness.generation import Generation
 
 
@@ -79,5 +81,5 @@ class Refused:
     reason: str
 
 
-Up = Progress | Entered | Failed | Suspect | Stuck | Ended | Refused
+Up = Progress | Entered | Failed | Suspect | Stuck | Ended | Refused | Elastic
 """Every message a training process sends its supervisor."""

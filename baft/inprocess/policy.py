@@ -16,7 +16,10 @@ when:
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from baft.config import dp_degree
 
 
 @dataclass
@@ -54,3 +57,112 @@ def must_replace(rank: int, kill: set[int], spawned_in: int, generation: int) ->
 def silent_peers(now: float, last_change: dict[int, float], limit_s: float) -> list[int]:
     """Peers whose supervisor heartbeat has not changed for more than ``limit_s``."""
     return sorted(r for r, at in last_change.items() if now - at > limit_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Elastic:
+    """What a training process said of its job's elastic replicas
+    (:class:`baft.config.ElasticConfig`): the supervisors may shrink it in-process."""
+
+    num_replicas: int
+    model_ranks: int
+    """Ranks per copy of the model (``pp * tp``): a world must hold whole copies."""
+
+
+def partial_hosts(
+    members: Sequence[int], host_of: Mapping[int, int], lost: Collection[int]
+) -> list[int]:
+    """The hosts of ``lost`` ranks that still have a live member."""
+    gone_hosts = {host_of[r] for r in lost}
+    return sorted({host_of[r] for r in members if r not in lost and host_of[r] in gone_hosts})
+
+
+def shrunk_world(
+    members: Sequence[int], host_of: Mapping[int, int], lost: Collection[int],
+    elastic: Elastic | None,
+) -> tuple[tuple[int, ...] | None, str]:  # fmt: skip
+    """The ranks that go on without the ``lost`` ones (in rank order: a survivor's new
+    rank is its index), or None and why the job cannot shrink in-process. ``host_of``
+    maps each rank to its host (torchrun's ``GROUP_RANK``): only whole hosts are dropped
+    (a host with a live rank left would keep a member outside the world), and the world
+    left must hold whole copies of the model with a DP degree dividing the replicas."""
+    if elastic is None:
+        return None, "the job has no elastic replicas (CheckpointConfig.elastic)"
+    partial = partial_hosts(members, host_of, lost)
+    if partial:
+        return None, f"host(s) {partial} lost only some of their ranks"
+    world = tuple(r for r in members if r not in lost)
+    if dp_degree(elastic.num_replicas, len(world), elastic.model_ranks) is None:
+        return None, (
+            f"{len(world)} ranks cannot hold a copy of every stage ({elastic.model_ranks} "
+            f"ranks each) with a DP degree dividing {elastic.num_replicas} replicas"
+        )
+    return world, ""
+
+
+def world_env(world: Sequence[int], host_of: Mapping[int, int], rank: int) -> dict[str, str]:
+    """The torchrun variables of launch rank ``rank`` in the shrunk ``world`` (launch
+    ranks in order), as torchrun would set them for a job on the hosts left: ranks and
+    hosts renumbered in order, local ranks as they were."""
+    hosts = sorted({host_of[r] for r in world})
+    new_rank = world.index(rank)
+    return {
+        "RANK": str(new_rank), "ROLE_RANK": str(new_rank),
+        "WORLD_SIZE": str(len(world)), "ROLE_WORLD_SIZE": str(len(world)),
+        "GROUP_RANK": str(hosts.index(host_of[rank])), "GROUP_WORLD_SIZE": str(len(hosts)),
+    }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What rank 0's supervisor does about peers whose supervisors died."""
+
+    lost: tuple[int, ...]
+    world: tuple[int, ...] | None
+    """The launch ranks the job shrinks to, or None: give up (the group restart)."""
+    why_not: str = ""
+    hosts: tuple[int, ...] = ()
+    """The lost hosts."""
+
+
+@dataclass
+class LostPeers:
+    """Rank 0's record of peer supervisors whose lease ended (:mod:`.lease`): their
+    process is gone with its host or torchrun agent. A host's supervisors die an instant
+    apart, so a partly lost host is given ``grace_s`` for the rest of its leases to end
+    before the verdict."""
+
+    grace_s: float = 1.0
+    elastic: Elastic | None = None
+    """The job's elastic replicas, as rank 0's training process reported them."""
+    gone: set[int] = field(default_factory=set)
+    since: float | None = None
+
+    def ended(self, ranks: Collection[int], now: float) -> None:
+        if ranks:
+            self.gone.update(ranks)
+            self.since = now if self.since is None else self.since
+
+    def verdict(
+        self, members: Sequence[int], done: Collection[int], host_of: Mapping[int, int] | None,
+        now: float,
+    ) -> Verdict | None:  # fmt: skip
+        """Shrink, give up, or None: nothing to do yet (no lost member, or a host partly
+        lost within the grace). ``done``: peers that finished (their lease ends cleanly);
+        ``host_of``: every rank's host, None when not all are known."""
+        lost = tuple(sorted(r for r in self.gone if r in members and r not in done))
+        if not lost:
+            self.gone.clear()
+            self.since = None
+            return None
+        waited = now - (self.since if self.since is not None else now)
+        if host_of is None:
+            world, why = None, "the ranks' hosts are not all known"
+        else:
+            if partial_hosts(members, host_of, lost) and waited < self.grace_s:
+                return None
+            world, why = shrunk_world(members, host_of, lost, self.elastic)
+        self.gone.clear()
+        self.since = None
+        hosts = tuple(sorted({host_of[r] for r in lost})) if host_of is not None else ()
+        return Verdict(lost, world, why, hosts)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
@@ -50,8 +49,8 @@ from baft.config import InprocessTimeouts
 from baft.inprocess import messages as msg
 from baft.inprocess.child import Target, child_main
 from baft.inprocess.control import Control
-from baft.inprocess.lease import LeaseServer, hold_lease, serve_leases
-from baft.inprocess.policy import Ledger, must_replace, silent_peers
+from baft.inprocess.membership import Membership, NotInWorld
+from baft.inprocess.policy import Elastic, Ledger, must_replace
 from baft.inprocess.preload import forkserver_context
 from baft.liveness.generation import Generation
 
@@ -72,6 +71,9 @@ class Options:
     """Every bound (``BAFT_INPROCESS_*``, see :class:`~baft.config.InprocessTimeouts`)."""
     poll_s: float = 0.02
     """How often the control store is read."""
+    host_grace_s: float = 1.0
+    """Rank 0: how long a host some of whose supervisors died is given for the rest of
+    them to die (a lost host) before the verdict (see :class:`~.policy.LostPeers`)."""
 
     @classmethod
     def from_env(cls) -> Options:
@@ -93,16 +95,8 @@ class Supervisor:
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.rank,
             self.world_size, timeout_s=options.timeouts.store_s,
         )  # fmt: skip
-        self.lease: LeaseServer | None = None
-        """Rank 0: every peer supervisor's lease (a death seen at once, not after silence)."""
-        self._lease_held: socket.socket | None = None
-        """A peer: its end of the lease, open for the supervisor's life."""
-        if self.world_size > 1 and self.rank == 0:
-            self.lease = serve_leases()
-            self.control.publish_lease(self.lease.port if self.lease is not None else 0)
-        elif self.world_size > 1:
-            port = self.control.lease_port()
-            self._lease_held = hold_lease(os.environ["MASTER_ADDR"], port, self.rank)
+        self.members = Membership(self.control, options.host_grace_s, options.timeouts)
+        """Which peers are in the job; their heartbeats, leases, and a lost host's verdict."""
         self.agent = os.getppid()
         """The torchrun agent that started this supervisor: when it is gone (killed
         with SIGKILL, which leaves its workers behind), so is the job."""
@@ -118,11 +112,6 @@ class Supervisor:
         whole node, an instant after a peer, dies in the old generation."""
         self.spawned_in = 0
         self.terminating = False
-        self._beat = 0
-        self._beat_at = 0.0
-        self._peer_seen: dict[int, tuple[bytes, float]] = {}
-        """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
-        self._done: set[int] = set()
         self._told_at: float | None = None
         """When the child was told of a generation it has not entered yet (monotonic)."""
         self.ended = False
@@ -138,7 +127,7 @@ class Supervisor:
             port = self.control.host_generation(g) if self.rank == 0 else self.control.port(g)
             if port is not None:
                 cause, at = self.control.describe(g)
-                return Generation(g, port, cause, at)
+                return Generation(g, port, cause, at, self.members.world_env(g))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no store for generation {g} after {limit:.0f} s")
             time.sleep(self.options.poll_s)
@@ -175,8 +164,12 @@ class Supervisor:
             code = self._loop()
         except (RuntimeError, OSError) as e:  # the control store is gone (rank 0's host)
             code = self._store_lost(e)
+        except NotInWorld as e:  # its agent restarts it: a host joining grows the job
+            code = self._stop(str(e))
         if self.rank == 0 and code == 0:
-            self._await_peers()  # the store outlives every peer's last call to it
+            self.members.await_peers(
+                self.options.poll_s
+            )  # the store outlives every peer's last call to it
         return code
 
     def _store_lost(self, error: BaseException) -> int:
@@ -190,29 +183,12 @@ class Supervisor:
                 return self.child.exitcode
         return self._stop(f"the control store is unreachable: {error}")
 
-    def _await_peers(self) -> None:
-        """Rank 0's child ended: keep the control store up until every peer's child
-        finished too (their work after ``ft.close()`` may take long), or fell silent (its
-        host is gone), beating meanwhile so that no peer takes this host for lost."""
-        gone: set[int] = set()  # peers whose lease ended: their process is gone
-        while True:
-            try:
-                silent = self._watch_peers()
-                beats = self.control.beats()
-            except (RuntimeError, OSError):
-                return
-            gone.update(self.lease.poll() if self.lease is not None else [])
-            waiting = {r for r, b in beats.items() if b != b"done"} - set(silent) - gone
-            if len(beats) == self.world_size - 1 and not waiting:
-                return
-            time.sleep(self.options.poll_s)
-
     def _loop(self) -> int:
         while True:
             waits = [self.child.sentinel] + ([self.conn] if self.conn is not None else [])
-            wait(waits + (self.lease.waitables() if self.lease else []), self.options.poll_s)
+            wait(waits + self.members.waitables(), self.options.poll_s)
             self._read_messages()
-            self._check_leases()
+            self.members.check_leases(idle=self.terminating or self.ended)
             if self.child.exitcode is not None:
                 code = self._on_exit(self.child.exitcode)
                 if code is not None:
@@ -227,25 +203,9 @@ class Supervisor:
                 return self._end(reason, "another rank gave up: ")
             self._follow(self.control.generation())
             self._check_unresponsive()
-            silent = self._watch_peers()
+            silent = self.members.silent()
             if silent:
                 self.control.give_up(f"the supervisors of ranks {silent} are silent (host lost?)")
-
-    def _check_leases(self) -> None:
-        """Rank 0: a peer supervisor whose lease ended without finishing is gone with its
-        host (or its torchrun agent): in-process recovery cannot replace it, so give up
-        now (the group restart, which may shrink an elastic job) instead of after
-        ``peer_silence_s`` of silence."""
-        gone = self.lease.poll() if self.lease is not None else []
-        if not gone or self.terminating or self.ended:
-            return
-        beats = self.control.beats()
-        lost = [r for r in gone if beats.get(r) != b"done"]
-        if lost and self.control.given_up() is None:
-            log.warning("baft supervisor 0: the supervisors of ranks %s are gone", lost)
-            self.control.give_up(
-                f"the supervisors of ranks {lost} are gone (their host or torchrun agent died)"
-            )
 
     def _read_messages(self) -> None:
         while self.conn is not None and self.conn.poll():
@@ -273,8 +233,11 @@ class Supervisor:
                 self.control.refuse(f"rank {self.rank}: {reason}")
             case msg.Failed(g, reason) if g >= self.control.generation():
                 self._failure(g, f"rank {self.rank} raised: {reason}")
-            case msg.Suspect(g, ranks, reason):
-                self.control.begin(g, f"rank {self.rank}'s watchdog: {reason}", kill=ranks)
+            case msg.Suspect(g, ranks, reason):  # the generation's ranks: launch ranks here
+                kill = self.members.launch_ranks(ranks)
+                self.control.begin(g, f"rank {self.rank}'s watchdog: {reason}", kill=kill)
+            case Elastic():
+                self.members.lost.elastic = message
 
     def _failure(self, g: int, cause: str) -> None:
         why = self.ledger.failure(g)
@@ -353,22 +316,6 @@ class Supervisor:
         bound = self.options.timeouts.stuck_s + self.options.timeouts.unresponsive_s
         if time.monotonic() - told > bound:
             self._replace_stuck(self.child_gen)
-
-    def _watch_peers(self) -> list[int]:
-        now = time.monotonic()
-        if now - self._beat_at < 0.5:
-            return []
-        self._beat_at = now
-        self._beat += 1
-        self.control.beat(self._beat)
-        for r, raw in self.control.beats().items():
-            if raw == b"done":  # finished: never silent
-                self._peer_seen.pop(r, None)
-                self._done.add(r)
-            elif r not in self._done and self._peer_seen.get(r, (b"", 0.0))[0] != raw:
-                self._peer_seen[r] = (raw, now)
-        last = {r: at for r, (_, at) in self._peer_seen.items()}
-        return silent_peers(now, last, self.options.timeouts.peer_silence_s)
 
     def _end(self, reason: str, prefix: str = "") -> int:
         """``giveup`` is set: end the job if it was a refusal, else stop for the group

@@ -39,6 +39,10 @@ class Generation:
     """Why it began (empty for generation 0)."""
     began_at: float = 0.0
     """Wall time the failure was seen by a supervisor (0 for generation 0)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """torchrun's variables as they are in this generation where they differ from the
+    launch's: ``RANK``, ``WORLD_SIZE`` and the host numbering of a job that shrank
+    in-process onto the hosts left (empty: as launched)."""
 
 
 class GenerationAborted(RuntimeError):
@@ -69,6 +73,10 @@ class Link(Protocol):
 
     def suspect(self, ranks: list[int], reason: str) -> None:
         """This rank's watchdog found ``ranks`` frozen: their supervisors replace them."""
+
+    def elastic(self, num_replicas: int, model_ranks: int) -> None:
+        """The job has ``num_replicas`` elastic replicas and ``model_ranks`` ranks per copy
+        of the model: the supervisors may shrink it onto the hosts left when one is lost."""
 
     def closed(self, agreed: bool) -> None:
         """``ft.close()`` ran; ``agreed``: every rank ended the job with it."""

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from baft.config import ElasticConfig
+from baft.config import ElasticConfig, dp_degree
+from baft.liveness import generation
 from baft.pipeline.encoding import local
 from baft.pipeline.state import TrainingState
 
@@ -300,6 +301,9 @@ def attach(runner: StepRunner, config: ElasticConfig) -> None:
             "(FSDP2 or TP); run it without elastic replicas"
         )
     topo = runner.mesh.topology
+    link = generation.current()
+    if link is not None:  # under baft.inprocess: a lost host may shrink the job in-process
+        link.elastic(config.num_replicas, topo.world_size // topo.num_dp)
     runner.elastic = VirtualReplicas(
         runner.state, runner.params,
         hosted=config.hosted(topo.num_dp, topo.coords(runner.mesh.rank).dp),
@@ -329,17 +333,6 @@ def protection(redundancy: str, persist_every: int, topology: Any) -> tuple[str,
         "persisting every version to DCP until the job grows back"
     )
     return fallback, 1, why
-
-
-def dp_degree(num_replicas: int, world_size: int, model_ranks: int) -> int | None:
-    """The DP degree a world of ``world_size`` ranks runs ``num_replicas`` elastic
-    replicas with, when every stage has ``model_ranks`` ranks per copy (``pp * tp``);
-    None when it cannot hold a whole copy of the model with a degree dividing the
-    replicas (a stage's only copy was on a lost host)."""
-    if model_ranks < 1 or world_size % model_ranks:
-        return None
-    dp = world_size // model_ranks
-    return dp if dp >= 1 and num_replicas % dp == 0 else None
 
 
 def elastic_dp(num_replicas: int, model_ranks: int, *, poll_s: float = 1.0) -> int:

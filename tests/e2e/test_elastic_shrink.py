@@ -9,7 +9,10 @@ stages (dp=1), stage 1 rebuilt from the parity host a holds. Later host b's agen
 again (its stale stores of the 4-rank job still on its disk) and the job grows back to 4
 ranks (from host a's memory, or from the DCP checkpoint that torchrun's SIGTERM of the
 membership change flushed). Every iteration any rank recorded equals the same script
-without baft on 4 ranks, bit for bit, and both resizes came from memory.
+without baft on 4 ranks, bit for bit, and both resizes came from memory. Under
+``-m baft.inprocess`` the shrink is in-process (host a's processes re-enter with the
+smaller world, no torchrun restart); with the group restart torchrun's elastic range
+restarts host a's workers.
 """
 
 from __future__ import annotations
@@ -144,6 +147,16 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
     # a newer version in DCP than memory holds; either way nothing is lost
     assert grow["source"] == "disk" or "rebuilt for dp=2" in grow["reason"], (grow, where)
     assert shrink["lost_iterations"] <= 1 and grow["lost_iterations"] <= 1, where
+    if inprocess:  # the survivors kept their processes: no group restart on host a
+        log_a = (tmp_path / "agent-a-0.log").read_text(errors="replace")
+        assert "the job shrinks in-process to 2 ranks" in log_a, where
+        assert "in-process recovery gives up" not in log_a, where
+        assert "abort" in shrink["seconds"], (shrink, where)
+        print(
+            f"shrink: {downtime:.1f} s from the loss to the first iteration on host a alone, "
+            f"in-process: {shrink['seconds']} ({where})"
+        )
+        return
     ev = agent_events(tmp_path / "agent-a-0.log")
     failed = first_after(ev, "failed", t_lost)
     joined = first_after(ev, "joined", t_lost)
