@@ -17,8 +17,10 @@ function run through :func:`baft.run`::
 
 Both ends live here. The supervisor's: :mod:`.supervisor` (the process torchrun starts)
 holds the training process (:mod:`.child`); :mod:`.control` is the supervisors' shared
-store; :mod:`.lease` tells rank 0's supervisor at once that a peer supervisor died (its
-host lost); :mod:`.policy` says when to give up and let torchrun restart the group. The
+store; :mod:`.membership` watches the peers (heartbeats, and :mod:`.lease`, which tells
+rank 0's supervisor at once that a peer supervisor died with its host) and shrinks an
+elastic job onto the hosts left; :mod:`.policy` says when to give up and let torchrun
+restart the group. The
 training process's: :mod:`.channel` (its pipe to the supervisor, the abort of a
 generation's sockets by :mod:`.sockets`, a SIGTERM held between generations) and
 :mod:`.run` (``baft.run``: re-enter the training function). They talk in

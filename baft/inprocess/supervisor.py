@@ -19,17 +19,20 @@ supervisor instead, which never exits on a recoverable failure:
    mappings, and on GPUs the CUDA context. The failed rank's supervisor forks a
    replacement (and kills a frozen child first). All meet in the new generation's store
    and restore from memory, each survivor from its own store.
-4. **Giving up** (see :mod:`.policy`): the supervisor records why, kills its child and
+4. **A lost host** (its supervisors' leases ended, :mod:`.membership`): a job with elastic
+   replicas shrinks in-process onto the hosts left (survivors re-enter with renumbered
+   ranks); otherwise the supervisors give up.
+5. **Giving up** (see :mod:`.policy`): the supervisor records why, kills its child and
    exits non-zero; torchrun's group restart (``--max-restarts``) takes over, as without
    in-process recovery. SIGTERM (a preemption) goes to the child, whose agreed flush
    runs as before; the supervisor exits with the child's status.
-5. **A refusal** (:class:`baft.errors.Refusal`, reported by the child): no attempt can
+6. **A refusal** (:class:`baft.errors.Refusal`, reported by the child): no attempt can
    succeed, so every supervisor kills its child and stops its torchrun agent, once.
-6. **The job's end**: a child whose training function returned after ``ft.close()``
+7. **The job's end**: a child whose training function returned after ``ft.close()``
    agreed on every rank works on as long as it likes; a failure after it is not
    recovered, and rank 0's supervisor keeps the control store up until every rank's
    child exited.
-7. **A hung training thread** (it does not take an announced generation, see
+8. **A hung training thread** (it does not take an announced generation, see
    :attr:`baft.config.InprocessTimeouts.stuck_s`) is killed and replaced like a dead one.
 """
 

@@ -170,11 +170,15 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
     )
 
 
-def test_a_lost_host_holding_a_stage_s_only_copy_waits_for_a_replacement(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inprocess", [True, False], ids=["inprocess", "group"])
+def test_a_lost_host_holding_a_stage_s_only_copy_waits_for_a_replacement(
+    tmp_path: Path, inprocess: bool
+) -> None:
     """pp=4 with one replica: host b holds stages 2 and 3 alone. Losing it leaves host a
     no whole model, so the job does not shrink: the survivors say so and wait; a
     replacement host (empty memory) joins and the job goes on from memory (stages 2 and
-    3 rebuilt from host a's parity), bit-identical."""
+    3 rebuilt from host a's parity), bit-identical. In-process, rank 0's supervisor
+    refuses to shrink and gives up: the group restart, which waits the same way."""
     extra = ["--pp", "4", "--replicas", "1"]
     ref = _reference(tmp_path / "ref", *extra)
     out = tmp_path / "job"
@@ -185,7 +189,7 @@ def test_a_lost_host_holding_a_stage_s_only_copy_waits_for_a_replacement(tmp_pat
     def host(name: str, addr: str, attempt: int) -> subprocess.Popen[bytes]:
         env = {"BAFT_STORE_ROOT": str(tmp_path / f"shm-{name}-{attempt}")}  # a new host's memory
         return start_agent(
-            args, host_id=name, addr=addr, port=port, env=env,
+            args, host_id=name, addr=addr, port=port, env=env, inprocess=inprocess,
             log=tmp_path / f"agent-{name}-{attempt}.log",
         )  # fmt: skip
 
@@ -203,6 +207,10 @@ def test_a_lost_host_holding_a_stage_s_only_copy_waits_for_a_replacement(tmp_pat
         )  # fmt: skip
         time.sleep(3)
         assert not [r for r in _trace(out) if r["t"] > t_lost and r["world"] != 4]
+        if inprocess:
+            assert "cannot hold a copy of every stage (4 ranks each)" in log_a.read_text(
+                errors="replace"
+            ), tmp_path
         b = host("b", "127.0.0.3", 1)  # a replacement, sorting last
         codes = exit_codes({"a": a, "b": b}, 400)
     finally:
@@ -223,19 +231,21 @@ def test_a_lost_host_holding_a_stage_s_only_copy_waits_for_a_replacement(tmp_pat
 
 
 def test_baft_train_elastic_loses_a_host_and_regains_it(tmp_path: Path) -> None:
-    """``baft train --elastic 1 --lose-host 1:8:14``: two simulated hosts on this machine,
-    host h1 killed with its agent after iteration 8 and started again after 14; the run
-    ends with the same state as ``baft train`` without checkpoints."""
+    """``baft train --elastic 1 --lose-host 1:12:17``: two simulated hosts on this machine,
+    host h1 killed with its agent after iteration 12 and started again after 17; the run
+    ends with the same state as ``baft train`` without checkpoints. (The loss comes after
+    the first differential rotation window: ``full_every=auto`` picks up to k=8 from the
+    measured bubbles, and a loss inside the first window starts over from iteration 0.)"""
     import os
 
-    common = ["--dp", "2", "--pp", "2", "--ranks-per-node", "2", "--iterations", "22"]
+    common = ["--dp", "2", "--pp", "2", "--ranks-per-node", "2", "--iterations", "24"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     baft = [sys.executable, "-m", "baft.cli"]
     el = tmp_path / "elastic"
     root = tmp_path / "shm"
     subprocess.run(
         [*baft, "train", *common, "--out", str(el), "--store-root", str(root),
-         "--elastic", "1", "--lose-host", "1:8:14"],
+         "--elastic", "1", "--lose-host", "1:12:17"],
         check=True, cwd=REPO, env=env, capture_output=True, timeout=600,
     )  # fmt: skip
     ref = tmp_path / "ref"
