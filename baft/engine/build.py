@@ -28,6 +28,7 @@ from baft.engine.priority import background_priority, lower_thread_priority
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import GlooTransport, Transport, destroy_group
 from baft.engine.worker import ProtectWorker
+from baft.liveness import generation
 from baft.liveness.termination import Termination
 from baft.pipeline.layout import GlobalLayout
 from baft.pipeline.mesh import Mesh
@@ -247,6 +248,9 @@ def build_engine(
     )
     policy = ck.policy
     state = RunnerState(runner, transport, ck.elastic.num_replicas)
+    link = generation.current()
+    if link is not None and ck.elastic.num_replicas:  # a lost host may shrink it in-process
+        link.elastic(ck.elastic.num_replicas, mesh.topology.world_size // mesh.topology.num_dp)
     ck = budget_stores(ck, transport, mesh, state, store)
     persister: Persister | None = None
     if persist and ck.persist.dir and (policy.persist_every or ck.persist.flush_on_sigterm):

@@ -5,7 +5,8 @@ it could not) in a tiny asynchronous MIN all-reduce on the transport; the answer
 when the next version opens, while the rank computed in between, and the version is
 committed only when every rank completed it: then, and only then, the store's commit
 record names it. The same vote carries a SIGTERM stop, so every rank learns it at the
-same version. Once a restore from memory is a whole window behind, the stores that an
+same version, and whether every rank can persist the version to DCP without waiting for
+its previous save (:attr:`Commit.persist_agreed`). Once a restore from memory is a whole window behind, the stores that an
 earlier rank numbering left on this host are freed (their last use was the restore).
 """
 
@@ -35,13 +36,18 @@ class Commit:
         self._pending: tuple[int, VoteHandle] | None = None
         self.stop_agreed = False
         """Some rank voted to stop (SIGTERM): every rank learns it from the same vote."""
+        self.persist_agreed = False
+        """Every rank could persist the version the last resolved vote committed."""
         self._reclaim_after: int | None = None
 
-    def post(self, version: int, complete: bool, stopping: bool = False) -> None:
+    def post(
+        self, version: int, complete: bool, stopping: bool = False, persist: bool = False
+    ) -> None:
         """Start the agreement on ``version``; a rank that could not complete it votes -1,
-        a rank asked to stop (SIGTERM) says so in the same all-reduce."""
+        a rank asked to stop (SIGTERM) says so in the same all-reduce, and ``persist``:
+        this rank can write the version to DCP at its commit without waiting."""
         assert self._pending is None, "one commit vote at a time"
-        vote = [version if complete else -1, 0 if stopping else 1]
+        vote = [version if complete else -1, 0 if stopping else 1, int(persist)]
         self._pending = (version, self.transport.all_min_async(vote))
 
     def resolve(self) -> int | None:
@@ -50,8 +56,9 @@ class Commit:
             return None
         version, handle = self._pending
         self._pending = None
-        agreed, keep_going = handle.wait()
+        agreed, keep_going, persist = handle.wait()
         self.stop_agreed = self.stop_agreed or keep_going == 0
+        self.persist_agreed = persist == 1
         if agreed != version:
             return None
         self.store.commit(version)

@@ -237,9 +237,14 @@ class CheckpointEngine:
                 "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
             )
             stopping = self.termination is not None and self.termination.requested
-            self.commit.post(v.version, complete, stopping)
+            lay = self.rotation.layout
+            differential = lay is not None and lay.payload is not None
+            ready = self.persisting.ready(v.version, differential=differential)
+            self.commit.post(v.version, complete, stopping, ready)
         self.last_metrics = {
             "committed_version": self.committed,
+            "persisted": self.persisting.saved,
+            "persist_skipped": self.persisting.skipped,
             **self.writer.metrics(v if written else None),
         }
         if self.rotation.layout is None:
@@ -300,6 +305,7 @@ class CheckpointEngine:
             version,
             differential=lay is not None and lay.payload is not None,
             slot_data=lambda: self._slot_data(version),
+            agreed=self.commit.persist_agreed,
         )
 
     def _slot_data(self, version: int) -> tuple[torch.Tensor, int, int]:

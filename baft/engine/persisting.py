@@ -176,7 +176,14 @@ def flush(
 class Persisting:
     """Every ``persist_every``-th checkpoint to DCP in the background, never blocking
     training, and the SIGTERM flush. Keeps the store from overwriting a slot the
-    persister still reads (:meth:`reading_other_than`)."""
+    persister still reads (:meth:`reading_other_than`).
+
+    A due version whose rank is still writing the previous save is not waited for: the
+    rank says so in the version's commit vote (:meth:`ready`), no rank persists that
+    version, and the next checkpoint is due instead (:attr:`owed`), until one is
+    persisted. At a cadence the disk cannot sustain (``persist_every=1`` with a save
+    slower than an iteration) the job persists as often as its disk allows and training
+    never waits for it; :attr:`skipped` counts what it passed over."""
 
     def __init__(
         self,
@@ -205,6 +212,14 @@ class Persisting:
         self._fire = fire
         self._copy = LiveCopy(device, keys, getattr(persister, "host_buffer", None))
         self._inflight: tuple[int, SaveHandle] | None = None
+        self.owed = False
+        """A due version was not persisted (a save was still writing on some rank): the
+        next checkpoint is due, whatever the cadence. The same on every rank (it follows
+        the commit votes)."""
+        self.saved = 0
+        """Saves started (not counting a SIGTERM flush)."""
+        self.skipped = 0
+        """Due versions not persisted because a rank's previous save was still writing."""
         self.sharded = frozenset(sharded)
         """DCP keys of DTensor pieces (every shard rank writes its own)."""
         self.param_groups = [list(g) for g in param_groups]
@@ -232,6 +247,22 @@ class Persisting:
             and (version // self.interval) % self.every == 0
         )
 
+    def wanted(self, version: int) -> bool:
+        """Due by the cadence, or owed since a due version was passed over."""
+        return self.due(version) or (self.owed and self.persister is not None and self.every > 0)
+
+    def busy(self) -> bool:
+        """A save is still writing."""
+        return self._inflight is not None and not self._inflight[1].done()
+
+    def ready(self, version: int, *, differential: bool) -> bool:
+        """This rank's commit vote on persisting ``version``: it is wanted and can start
+        at the commit without waiting (differential: its live copy was taken; full
+        snapshots: no save is still writing)."""
+        if not self.wanted(version):
+            return False
+        return self._copy.version == version if differential else not self.busy()
+
     def _share(self) -> list[tuple[str, torch.Tensor]]:
         named = list(zip(self.flat.names, self.flat.tensors, strict=True))
         return replica_share(named, self.topology.coords(self.rank).dp, self.topology.num_dp)
@@ -239,9 +270,11 @@ class Persisting:
     def version_opened(self, version: int, *, differential: bool, copier: DeviceCopy) -> None:
         """Differential: a due version's live state (this DP replica's share) is copied
         in the background for the persister, read once that version commits."""
-        if not differential or not self.due(version):
+        if not differential or not self.wanted(version):
             return
-        self.join()  # the buffer is reused
+        if self.busy():  # the buffer is still being written: not this version (see ready)
+            return
+        self.join()  # done: collect its outcome; the buffer is reused
         self._copy.start(version, self._share(), copier)
 
     def committed(
@@ -250,15 +283,28 @@ class Persisting:
         *,
         differential: bool,
         slot_data: Callable[[], tuple[torch.Tensor, int, int]],
+        agreed: bool = True,
     ) -> None:
-        """``version`` committed: start its save if due. Full snapshots save typed views
-        of the committed slot (``slot_data()``: its bytes and the owned flat range)."""
-        if differential:
-            copied = self._copy.take(version)
-            if copied is not None:
-                self._start(version, lambda: copied)
+        """``version`` committed: start its save if wanted and every rank was ready
+        (``agreed``: the commit vote); otherwise the next checkpoint is owed. Full
+        snapshots save typed views of the committed slot (``slot_data()``: its bytes and
+        the owned flat range)."""
+        copied = self._copy.take(version) if differential else None
+        if not self.wanted(version):
             return
-        if not self.due(version):
+        if not agreed or (differential and copied is None):
+            self.owed = True
+            self.skipped += 1
+            log.log(
+                logging.INFO if self.skipped == 1 else logging.DEBUG,
+                "v%d not persisted: a previous DCP save was still writing (%d passed over so "
+                "far); the next checkpoint is persisted instead, training does not wait for "
+                "the disk", version, self.skipped,
+            )  # fmt: skip
+            return
+        if copied is not None:
+            got = copied
+            self._start(version, lambda: got)
             return
 
         def views() -> dict[str, torch.Tensor]:
@@ -273,6 +319,8 @@ class Persisting:
         self.join()
         handle = self.persister.save_async(version, self._writes(state()), self.meta(version))
         self._inflight = (version, handle)
+        self.owed = False
+        self.saved += 1
 
     def flush(self, version: int, timeout_s: float, where: str | None) -> None:
         """SIGTERM: persist the live state (version ``version``) now, within ``timeout_s``."""

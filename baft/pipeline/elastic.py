@@ -48,7 +48,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from baft.config import ElasticConfig, dp_degree
-from baft.liveness import generation
 from baft.pipeline.encoding import local
 from baft.pipeline.state import TrainingState
 
@@ -301,9 +300,6 @@ def attach(runner: StepRunner, config: ElasticConfig) -> None:
             "(FSDP2 or TP); run it without elastic replicas"
         )
     topo = runner.mesh.topology
-    link = generation.current()
-    if link is not None:  # under baft.inprocess: a lost host may shrink the job in-process
-        link.elastic(config.num_replicas, topo.world_size // topo.num_dp)
     runner.elastic = VirtualReplicas(
         runner.state, runner.params,
         hosted=config.hosted(topo.num_dp, topo.coords(runner.mesh.rank).dp),

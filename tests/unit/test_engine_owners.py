@@ -137,3 +137,65 @@ def test_sigterm_grace_follows_the_iteration() -> None:
     assert t.grace_s == 7.0
     t.pace(10.0)
     assert t.grace_s == 20.0
+
+
+class _Handle:
+    """A save in flight that finishes when the test says so."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self, timeout: float | None = None) -> None:
+        assert self.finished, "the training thread waited for the disk"
+
+
+class _Disk:
+    native_id = None  # no writer thread to raise while waiting
+
+    def __init__(self) -> None:
+        self.saves: list[_Handle] = []
+
+    def save_async(self, version: int, state: dict[str, Any], meta: dict[str, Any]) -> _Handle:
+        self.saves.append(_Handle(version))
+        return self.saves[-1]
+
+
+def test_a_due_version_is_passed_over_not_waited_for_while_a_save_still_writes() -> None:
+    """persist_every=2, differential: v0 is saved; at v2 the save of v0 still writes, so
+    the rank takes no copy and votes not ready; v2 is not persisted and v3 is owed (the
+    next checkpoint, off the cadence) and saved once the disk is free; the cadence then
+    resumes at v4. The training thread never waits (the handle asserts it)."""
+    from baft.engine.device import HostCopy
+
+    disk = _Disk()
+    flat = FlatState([("model.w", torch.arange(4.0))])
+    p = Persisting(
+        disk,  # type: ignore[arg-type]
+        every=2, interval=1, keys=PersistKeys(), topology=Topology(1, 1, 1), rank=0,
+        flat=flat, device=torch.device("cpu"), layout_digests={},
+    )  # fmt: skip
+
+    def version(v: int, agreed_by_peers: bool = True) -> bool:
+        p.version_opened(v, differential=True, copier=HostCopy())
+        ready = p.ready(v, differential=True)
+        p.committed(v, differential=True, slot_data=lambda: (torch.zeros(0), 0, 0),
+                    agreed=ready and agreed_by_peers)  # fmt: skip
+        return ready
+
+    assert version(0) and [h.version for h in disk.saves] == [0]
+    assert not version(1)  # not due
+    assert not version(2)  # due, but v0's save still writes: passed over, not waited for
+    assert p.owed and p.skipped == 1 and p.saved == 1
+    disk.saves[0].finished = True
+    assert version(3)  # owed: persisted off the cadence
+    assert [h.version for h in disk.saves] == [0, 3] and not p.owed
+    disk.saves[1].finished = True
+    assert version(4, agreed_by_peers=False)  # this rank was ready, a peer was not
+    assert [h.version for h in disk.saves] == [0, 3] and p.owed and p.skipped == 2
+    assert version(5) and [h.version for h in disk.saves] == [0, 3, 5]
+    disk.saves[2].finished = True
+    assert version(6) and [h.version for h in disk.saves] == [0, 3, 5, 6]
