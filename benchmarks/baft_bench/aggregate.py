@@ -42,12 +42,15 @@ FIELDS = (
     *(f"{c}_s" for c in COMPONENTS),
     *PATH_BYTES,
     "faults",
+    "disk_saves",
     *THREAD_FIELDS,
 )
 """Per-iteration, per-rank values recorded for every mode: ``cpu_s`` is the process's CPU
 seconds in the iteration (every thread), ``blocked_s`` the training thread's seconds in
 pipeline waits (the idle time the pipeline offers), then protect seconds by component,
-redundancy bytes per path and ``faults``, the process's minor page faults, then the
+redundancy bytes per path, ``faults``, the process's minor page faults, ``disk_saves``,
+the disk checkpoints the mode started (baft-persist passes over a due version while its
+previous save still writes), then the
 CPU and run-queue seconds per thread group (:mod:`baft_bench.threads`)."""
 PER_RANK = (
     "cpu_s",
@@ -86,6 +89,9 @@ def summarize_mode(samples: dict[str, list[list[float]]]) -> dict[str, Any]:
         "bytes_per_iter": _median([sum(row) for row in samples["bytes"]]),
         "bytes_per_rank": [_median(list(col)) for col in zip(*samples["bytes"], strict=True)],
         "num_iters": len(iter_s),
+        "disk_saves_per_iter": statistics.fmean(max(r) for r in samples["disk_saves"])
+        if samples.get("disk_saves")
+        else 0.0,
         "per_rank": {
             f: [_median(list(col)) for col in zip(*samples[f], strict=True)]
             for f in PER_RANK

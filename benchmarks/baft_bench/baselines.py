@@ -60,7 +60,7 @@ class BenchMode(Protocol):
 
 
 def empty_metrics() -> dict[str, float]:
-    return {"in_bubble_s": 0.0, "exposed_s": 0.0, "bytes": 0.0}
+    return {"in_bubble_s": 0.0, "exposed_s": 0.0, "bytes": 0.0, "disk_saves": 0.0}
 
 
 def state_nbytes(trainer: Trainer) -> int:
@@ -114,6 +114,7 @@ class _BaselineHooks:
     def _account(self, start: float, nbytes: int = 0) -> None:
         self.last_metrics["exposed_s"] += time.perf_counter() - start
         self.last_metrics["bytes"] += nbytes
+        self.last_metrics["disk_saves"] += 1 if nbytes else 0
 
     def before_iteration(self, iteration: int, timeline: IterationTimeline) -> None:
         self._begin(iteration)

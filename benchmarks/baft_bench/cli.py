@@ -183,7 +183,7 @@ def command_line(a: argparse.Namespace) -> str:
 
 def _print_table(result: dict[str, Any]) -> None:
     print(f"sync_snapshot_fraction: {result['sync_snapshot_fraction']:.3f} ({result['compute']})")
-    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'wall ratio':>10} {'paired wall ratio [95% CI]':>27} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9}")  # fmt: skip
+    print(f"{'mode':<12} {'iter ms':>9} {'ratio':>7} {'wall ratio':>10} {'paired wall ratio [95% CI]':>27} {'exposed ms':>11} {'in-bubble':>10} {'MiB/iter':>9} {'saves/iter':>10}")  # fmt: skip
     for name, m in result["modes"].items():
         frac = m["in_bubble_fraction"]
         ci = format_ci(m.get("paired_wall_ratio_vs_none"), m.get("ci_low"), m.get("ci_high"))
@@ -191,7 +191,7 @@ def _print_table(result: dict[str, Any]) -> None:
             f"{name:<12} {m['median_iter_s'] * 1e3:9.1f} {m['ratio_vs_none']:7.3f} "
             f"{m['wall_ratio_vs_none']:10.3f} {ci:>27} "
             f"{m['exposed_s'] * 1e3:11.1f} {'-' if frac is None else f'{frac:.2f}':>10} "
-            f"{m['bytes_per_iter'] / 2**20:9.1f}"
+            f"{m['bytes_per_iter'] / 2**20:9.1f} {m.get('disk_saves_per_iter', 0.0):10.2f}"
         )
 
 

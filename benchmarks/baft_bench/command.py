@@ -170,8 +170,9 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
         "",
         f"| mode{tag} | median iter (ms) | IQR (ms) | ratio vs none [95% CI] | paired ratio "
         "| wall ms / iter | wall ratio | paired wall ratio "
-        "| exposed ckpt (ms) | in-bubble fraction | MiB protected / iter | iterations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| exposed ckpt (ms) | in-bubble fraction | MiB protected / iter | disk saves / iter "
+        "| iterations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in result["modes"].items():
         lines.append(
@@ -182,7 +183,8 @@ def render_markdown(result: dict[str, Any], *, command: str, date: str, plot: st
             f"| {_ratio_cell(m, 'wall_ratio_vs_none')} "
             f"| {_ratio_cell(m, 'paired_wall_ratio_vs_none')} "
             f"| {_fmt(m['exposed_s'], '.1f', 1e3)} | {_fmt(m['in_bubble_fraction'], '.2f')} "
-            f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} | {m['num_iters']} |"
+            f"| {_fmt(m['bytes_per_iter'], '.1f', 2**-20)} "
+            f"| {_fmt(m.get('disk_saves_per_iter'), '.2f')} | {m['num_iters']} |"
         )
     lines.append("")
     lines += _noise_lines(result)

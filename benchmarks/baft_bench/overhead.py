@@ -530,6 +530,7 @@ def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[floa
     clock = ThreadClock()
     if isinstance(hooks, BareMode):  # the bare schedule runs on its own trainer
         trainer = hooks.trainer
+    persisted = float((getattr(hooks, "last_metrics", None) or {}).get("persisted", 0))
     for it in range(first, first + num):
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         clock.start()
@@ -545,6 +546,9 @@ def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[floa
             pull, net = float(nbytes.get("pull", 0)), float(nbytes.get("recv", 0))
             nbytes = nbytes.get("snapshot", 0)
         seconds = m.get("seconds") or {}
+        saves = float(m.get("disk_saves", 0.0))
+        if "persisted" in m:  # the engine counts its DCP saves since it started
+            saves, persisted = float(m["persisted"]) - persisted, float(m["persisted"])
         blocked = res.timeline.blocked_s() if hasattr(res, "timeline") else 0.0
         rows.append(
             [
@@ -558,6 +562,7 @@ def _run_block(trainer: Any, hooks: Any, first: int, num: int) -> list[list[floa
                 pull,
                 net,
                 float(faults),
+                saves,
                 *threads,
             ]
         )

@@ -67,6 +67,7 @@ def test_checkfreq_persists_the_state_before_the_step(tmp_path: Path) -> None:
     assert hooks.last_metrics["bytes"] == state_nbytes(trainer)  # type: ignore[arg-type]
     assert hooks.last_metrics["in_bubble_s"] == 0.0
     assert hooks.last_metrics["exposed_s"] > 0.0
+    assert hooks.last_metrics["disk_saves"] == 1.0
     hooks.close()
 
 
@@ -91,7 +92,12 @@ def test_disabled_mode_does_nothing_and_reports_zero(tmp_path: Path) -> None:
     trainer.hooks = hooks
     trainer.step(0)
     assert not (tmp_path / "rank0.pt").exists()
-    assert hooks.last_metrics == {"in_bubble_s": 0.0, "exposed_s": 0.0, "bytes": 0.0}
+    assert hooks.last_metrics == {
+        "in_bubble_s": 0.0,
+        "exposed_s": 0.0,
+        "bytes": 0.0,
+        "disk_saves": 0.0,
+    }
 
 
 def test_unknown_baseline_is_a_value_error(tmp_path: Path) -> None:
