@@ -172,6 +172,26 @@ def compact_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def nested_by_head(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its keys grouped by their first dotted part (``optimizer.x.y`` under
+    ``optimizer`` as ``x.y``): the same checkpoint, key for key, since DCP flattens a
+    nested dict by joining its path with dots, and a flat ``dcp.load`` reads it. Why:
+    ``dcp.save`` wraps every top-level key in its method logger (``_stateful_to_state_dict``
+    builds a message and two debug records per key), 0.2 ms each; a job's 1,279 keys
+    (torch's flattened ``param_groups``: one per parameter and hyperparameter) cost 0.15-0.3
+    s of the writer's CPU per save here, a few keys cost nothing. A key equal to another's
+    first part stays flat (both cannot nest)."""
+    heads = {k.partition(".")[0] for k in state if "." in k}
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        head, dot, rest = key.partition(".")
+        if dot and rest and head in heads and head not in state:
+            out.setdefault(head, {})[rest] = value
+        else:
+            out[key] = value
+    return out
+
+
 PLAIN_VALUES = (bool, int, float, str, type(None))
 """Non-tensor values a checkpoint may hold (also inside tuples and lists)."""
 

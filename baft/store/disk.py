@@ -51,6 +51,7 @@ from baft.store.dcp_state import (  # noqa: F401 - re-exported: callers load fro
     compact_state,
     is_plain,
     load_version,
+    nested_by_head,
 )
 from baft.store.disk_layout import (  # noqa: F401 - re-exported: callers read the layout here
     COMPLETE_MARKER,
@@ -306,7 +307,7 @@ class Persister:
             # Re-saving a version: it stops being complete before any byte changes.
             (target / COMPLETE_MARKER).unlink(missing_ok=True)
         dcp.save(
-            compact_state(job.state),
+            nested_by_head(compact_state(job.state)),
             storage_writer=FileSystemWriter(
                 target, single_file_per_rank=True, sync_files=True, overwrite=True
             ),
