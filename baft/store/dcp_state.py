@@ -10,6 +10,7 @@ shape and dtype against the checkpoint's metadata.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from baft.store.disk_layout import list_versions, read_metadata, version_dir
@@ -190,6 +193,32 @@ def nested_by_head(state: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, serializing each distinct plain value once per save.
+
+    DCP writes a plain value (a ``BYTE_IO`` item) as ``torch.save`` of it, the format its
+    loader reads. torch's flattened ``param_groups`` repeat each group's hyperparameters
+    for every parameter (935 items, about a dozen distinct values, in the bench's job):
+    one ``torch.save`` each cost 0.15-0.2 s of the writer's CPU per save here. The bytes
+    written are the same. Plain values (:data:`PLAIN_VALUES`, tuples and lists of them)
+    are told apart by type and ``repr``, which is exact for them (floats round-trip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._saved: dict[tuple[type, str], bytes] = {}
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        key = (type(object), repr(object))
+        raw = self._saved.get(key)
+        if raw is None:
+            buf = io.BytesIO()
+            torch.save(object, buf)
+            raw = self._saved[key] = buf.getvalue()
+        return io.BytesIO(raw)
 
 
 PLAIN_VALUES = (bool, int, float, str, type(None))

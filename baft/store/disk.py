@@ -46,6 +46,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from baft.store.dcp_state import (  # noqa: F401 - re-exported: callers load from here
     PLAIN_VALUES,
+    SavePlanner,
     ShardLayout,
     as_dtensors,
     compact_state,
@@ -313,6 +314,7 @@ class Persister:
             ),
             process_group=self._group,
             no_dist=not self._distributed,
+            planner=SavePlanner(),
         )
         error = ""
         if self.is_coordinator:
