@@ -192,7 +192,11 @@ class CheckpointPolicy:
     redundancy: str = "xor:2"
     """"none" | "replicate:k" | "xor:g" | "rs:k+m" (carried for the coding module)."""
     persist_every: int = 50
-    """Persist every N-th committed checkpoint to durable storage (0 = never)."""
+    """Persist every N-th committed checkpoint to durable storage (0 = never). A due
+    checkpoint whose rank is still writing the previous save is passed over and the next
+    one persisted instead: training never waits for the disk, so at a cadence the disk
+    cannot keep (1, with a save slower than an iteration) the job persists as often as
+    its disk allows."""
     keep_latest: int = 2
     """DCP checkpoints kept on disk (the newest ones; older ones are deleted)."""
     on_overflow: str = "spill"
