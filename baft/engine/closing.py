@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +109,19 @@ def end_of_job(
     keep: bool,
     run_dir: Path,
     rank: int,
+    flush_final: Callable[[], None] | None = None,
 ) -> tuple[bool, str]:
     """Agree on a clean end, then free this host's stores of the job or keep them;
     rank 0 logs which (with the bytes of its host) and records it in ``run_dir``.
     Collective; call after the last commit, with every store mapping closed. Returns
     whether every rank agreed that the job ended (its stores then freed or kept) and, if
-    not, why."""
+    not, why. ``flush_final`` runs on every rank once they agreed (collective): the
+    engine persists the final state there when the cadence owed a version."""
     where = job_path(Path(store_root), job_id)
     size = used_bytes(where) if rank == 0 else 0
     everywhere, why_not = agree_finished(transport, finished, committed)
+    if everywhere and flush_final is not None:
+        flush_final()
     persisted = latest_version(persist_dir) if persist_dir else None
     free, why = decide(everywhere, committed, persisted, keep)
     # every rank is past its last read of any store (the agreement is the barrier)

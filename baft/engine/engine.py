@@ -120,6 +120,8 @@ class CheckpointEngine:
         self.skip_version: int | None = None
         """The version a restore brought back: it is committed already, not rewritten."""
         self.last_metrics: dict[str, Any] = {}
+        self._steps_done: int | None = None
+        """Steps completed in this process: the live state is that version at close."""
 
     @property
     def committed(self) -> int | None:
@@ -223,6 +225,7 @@ class CheckpointEngine:
         self._fire("step", iteration)
 
     def after_step(self, iteration: int, timeline: IterationTimeline) -> None:
+        self._steps_done = iteration + 1
         if self.termination is not None:
             self.termination.step_done()
         v = self.writer.current
@@ -370,21 +373,35 @@ class CheckpointEngine:
         self._resolve_commit()
         if finished is not None:
             self._fire("close", self.committed if self.committed is not None else 0)
-        self.persisting.shutdown()
+        self.persisting.join()
         self.slots.release()
         self.store.close()
         if self.termination is not None:
             self.termination.uninstall()
         ended: tuple[bool, str] = (False, "the job's end was not asked")
-        if finished is not None:
-            ended = end_of_job(
-                transport=self.transport, finished=finished, committed=self.committed,
-                store_root=self.ck.store.root, job_id=self.ck.store.job_id,
-                persist_dir=self.ck.persist.dir, keep=self.ck.store.keep_on_close,
-                run_dir=self.run_dir, rank=self.rank,
-            )  # fmt: skip
+        try:
+            if finished is not None:
+                ended = end_of_job(
+                    transport=self.transport, finished=finished, committed=self.committed,
+                    store_root=self.ck.store.root, job_id=self.ck.store.job_id,
+                    persist_dir=self.ck.persist.dir, keep=self.ck.store.keep_on_close,
+                    run_dir=self.run_dir, rank=self.rank, flush_final=self._flush_final,
+                )  # fmt: skip
+        finally:
+            self.persisting.shutdown()
         self.transport.close()
         return ended
+
+    def _flush_final(self) -> None:
+        """Every rank ended the job cleanly, the stores are about to be freed, and the
+        cadence owes a version (the last due one was passed over while a save still
+        wrote): persist the final state, version ``steps done``, now, so that the newest
+        state outlives the stores on disk. Stores kept (``keep_on_close``) hold the newest
+        version themselves. Collective (every rank agreed)."""
+        keep = self.ck.store.keep_on_close
+        if self.persisting.owed and self._steps_done is not None and not keep:
+            where = self.ck.persist.dir
+            self.persisting.flush(self._steps_done, self.ck.timeouts.flush_s, where, "close")
 
 
 def _param_groups(state: LiveState) -> list[list[str]]:

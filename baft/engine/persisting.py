@@ -157,20 +157,21 @@ def flush(
     meta: dict[str, Any],
     timeout_s: float,
     where: str,
+    at: str = "SIGTERM",
 ) -> None:
     """Persist ``state`` as ``version`` now, within ``timeout_s``; log the outcome (the
-    caller exits either way: what memory holds is still there for a restart)."""
+    caller goes on either way: what memory holds is still there for a restart). ``at``:
+    "SIGTERM" (the process exits next) or "close" (the job's end)."""
     t0 = time.perf_counter()
+    then = "; exiting" if at == "SIGTERM" else ""
     try:
         persister.save_async(version, state, meta).wait(timeout_s)
-        log.warning(
-            "SIGTERM: v%d flushed to %s in %.2f s; exiting",
-            version,
-            where,
-            time.perf_counter() - t0,
-        )
-    except Exception as e:  # noqa: BLE001 - exiting anyway; memory keeps the rest
-        log.error("SIGTERM: flushing v%d failed (%s); exiting", version, e)
+        log.log(
+            logging.WARNING if then else logging.INFO, "%s: v%d flushed to %s in %.2f s%s",
+            at, version, where, time.perf_counter() - t0, then,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - going on anyway; memory keeps the rest
+        log.error("%s: flushing v%d failed (%s)%s", at, version, e, then)
 
 
 class Persisting:
@@ -322,14 +323,15 @@ class Persisting:
         self.owed = False
         self.saved += 1
 
-    def flush(self, version: int, timeout_s: float, where: str | None) -> None:
-        """SIGTERM: persist the live state (version ``version``) now, within ``timeout_s``."""
+    def flush(self, version: int, timeout_s: float, where: str | None, at: str = "SIGTERM") -> None:
+        """SIGTERM, or the job's end: persist the live state (version ``version``) now,
+        within ``timeout_s``. Collective (the persister's group)."""
         if self.persister is None:
             return
         state = self._writes({self.keys(n): t for n, t in self._share()})
         self.persister.background = False  # about to exit: nothing to yield the core to
         with self._boosted():
-            flush(self.persister, version, state, self.meta(version), timeout_s, str(where))
+            flush(self.persister, version, state, self.meta(version), timeout_s, str(where), at)
 
     def meta(self, version: int) -> dict[str, Any]:
         """What a DCP checkpoint of ``version`` records in its ``baft_meta.json``."""

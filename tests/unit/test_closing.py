@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
-from baft.engine.closing import JobNotEnded, agree_finished, decide
+from baft.engine.closing import JobNotEnded, agree_finished, decide, end_of_job
 from baft.engine.local_transport import LocalTransport
 
 
@@ -75,3 +76,31 @@ def test_no_agreement_says_why() -> None:
 def test_the_error_tells_the_user_what_happens_next() -> None:
     text = str(JobNotEnded.because("a rank did not answer (reset)"))
     assert "a rank did not answer (reset)" in text and "torchrun restarts every rank" in text
+
+
+def test_the_final_flush_runs_only_once_every_rank_agreed(tmp_path: Path) -> None:
+    """``end_of_job`` calls the engine's final flush after the agreement, on every rank,
+    and only when every rank ended cleanly; the decision then sees what it wrote."""
+    group = LocalTransport.group(2, timeout_s=5.0)
+    flushed: list[int] = []
+
+    def run(finished: list[bool]) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = [(False, "")] * 2
+
+        def rank(r: int) -> None:
+            out[r] = end_of_job(
+                transport=group[r], finished=finished[r], committed=7,
+                store_root=str(tmp_path / "shm"), job_id="j", persist_dir=str(tmp_path / "dcp"),
+                keep=False, run_dir=tmp_path / "run", rank=r,
+                flush_final=lambda: flushed.append(r),
+            )  # fmt: skip
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    assert [ok for ok, _ in run([True, False])] == [False, False] and flushed == []
+    assert run([True, True]) == [(True, ""), (True, "")] and sorted(flushed) == [0, 1]
