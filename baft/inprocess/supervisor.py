@@ -169,10 +169,8 @@ class Supervisor:
             code = self._store_lost(e)
         except NotInWorld as e:  # its agent restarts it: a host joining grows the job
             code = self._stop(str(e))
-        if self.rank == 0 and code == 0:
-            self.members.await_peers(
-                self.options.poll_s
-            )  # the store outlives every peer's last call to it
+        if self.rank == 0 and code == 0:  # the store outlives every peer's last call to it
+            self.members.await_peers(self.options.poll_s)
         return code
 
     def _store_lost(self, error: BaseException) -> int:
