@@ -393,13 +393,13 @@ class CheckpointEngine:
         return ended
 
     def _flush_final(self) -> None:
-        """Every rank ended the job cleanly, the stores are about to be freed, and the
-        cadence owes a version (the last due one was passed over while a save still
-        wrote): persist the final state, version ``steps done``, now, so that the newest
-        state outlives the stores on disk. Stores kept (``keep_on_close``) hold the newest
-        version themselves. Collective (every rank agreed)."""
-        keep = self.ck.store.keep_on_close
-        if self.persisting.owed and self._steps_done is not None and not keep:
+        """Every rank ended the job cleanly and the cadence owes a version (the last due
+        one was passed over while a save still wrote): persist the final state, version
+        ``steps done``, now, so that a job persisting every N ends with its newest state
+        on disk, as it did when every save was waited for (a relaunch then resumes from
+        it: it is newer than memory's last committed version). Collective (every rank
+        agreed)."""
+        if self.persisting.owed and self._steps_done is not None:
             where = self.ck.persist.dir
             self.persisting.flush(self._steps_done, self.ck.timeouts.flush_s, where, "close")
 

@@ -197,7 +197,7 @@ class CheckpointPolicy:
     one persisted instead: training never waits for the disk, so at a cadence the disk
     cannot keep (1, with a save slower than an iteration) the job persists as often as
     its disk allows. A job that ends cleanly with a due version passed over persists its
-    final state at ``close()`` (unless its stores are kept in memory)."""
+    final state at ``close()``."""
     keep_latest: int = 2
     """DCP checkpoints kept on disk (the newest ones; older ones are deleted)."""
     on_overflow: str = "spill"

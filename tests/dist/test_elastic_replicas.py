@@ -74,11 +74,13 @@ def _build(world: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _protect(s: dict[str, Any], root: str, full_every: int = 1) -> Any:
+def _protect(s: dict[str, Any], root: str, full_every: int = 1, persist_every: int = 1) -> Any:
     import baft
 
     ck = baft.CheckpointConfig(
-        policy=baft.CheckpointPolicy(redundancy="xor:2", persist_every=1, full_every=full_every),
+        policy=baft.CheckpointPolicy(
+            redundancy="xor:2", persist_every=persist_every, full_every=full_every
+        ),
         profile_iters=1,
         cost={"copy_Bps": 1e9},
         store=baft.StoreConfig(root=str(Path(root) / "shm"), job_id="el", keep_on_close=False),
@@ -100,10 +102,11 @@ def _body(s: dict[str, Any], r: int) -> None:
 
 
 def _run(
-    rank: int, world: int, root: str, start_at: int, stop_at: int, keep: bool, full_every: int = 1
-) -> Any:
+    rank: int, world: int, root: str, start_at: int, stop_at: int, keep: bool, full_every: int = 1,
+    persist_every: int = 1,
+) -> Any:  # fmt: skip
     s = _build(world)
-    ft = _protect(s, root, full_every)
+    ft = _protect(s, root, full_every, persist_every)
     if keep:
         ft.checkpoint.store.keep_on_close = True
     start = ft.restore()
@@ -187,11 +190,13 @@ def test_shrink_and_grow_through_dcp_stay_on_the_trajectory(gloo, tmp_path: Path
 def test_shrink_and_grow_from_memory(gloo, tmp_path: Path, full_every: int) -> None:
     """4 ranks -> 2 -> 4 with the stores in memory: each resize rebuilds the old job's
     shards (as its restart would) and assembles them for the new DP degree; the
-    trajectory is the unchanged run's."""
+    trajectory is the unchanged run's. No DCP tier until the grow: a clean end that
+    passed a due version over persists its final state, newer than memory's, and a
+    relaunch would resume from that (``test_shrink_and_grow_through_dcp...``)."""
     ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, 9, False, 1), timeout_s=240)
     root = str(tmp_path / "job")
-    gloo.run(_run, 4, args=(root, 0, 4, True, full_every), timeout_s=240)
-    shrunk = gloo.run(_run, 2, args=(root, 0, 6, True, full_every), timeout_s=240)
+    gloo.run(_run, 4, args=(root, 0, 4, True, full_every, 0), timeout_s=240)
+    shrunk = gloo.run(_run, 2, args=(root, 0, 6, True, full_every, 0), timeout_s=240)
     assert shrunk[0]["source"] == "memory" and shrunk[0]["start"] >= 2, shrunk[0]
     assert "shards of dp=2 (pp=2, tp=1, xor:2) rebuilt for dp=1" in shrunk[0]["reason"]
     grown = gloo.run(_run, 4, args=(root, 0, 9, False, full_every), timeout_s=240)

@@ -133,7 +133,10 @@ def test_each_replica_restores_its_own_small_state(gloo, tmp_path: Path, full_ev
         other = got[1 - rank]["versions"]
         for source in ("memory", "disk"):
             start, where, small = got[rank][source]
-            assert where == source and start >= ITERATIONS - 2, got[rank][source]
+            # with the stores kept, a relaunch resumes from memory unless close() persisted
+            # a newer final state (the last due version was passed over: a save still wrote)
+            newer_on_disk = source == "memory" and where == "disk" and start == ITERATIONS
+            assert (where == source or newer_on_disk) and start >= ITERATIONS - 2, got[rank]
             assert small == got[rank]["versions"][start], (rank, source)
             assert small[:3] != other[start][:3], "the replicas' small state differs"
             assert small[3] == other[start][3], "the model is a replica"
