@@ -6,8 +6,9 @@ when the next version opens, while the rank computed in between, and the version
 committed only when every rank completed it: then, and only then, the store's commit
 record names it. The same vote carries a SIGTERM stop, so every rank learns it at the
 same version, and whether every rank can persist the version to DCP without waiting for
-its previous save (:attr:`Commit.persist_agreed`). Once a restore from memory is a whole window behind, the stores that an
-earlier rank numbering left on this host are freed (their last use was the restore).
+its previous save (:attr:`Commit.persist_agreed`). Once a restore from memory is a whole
+window behind, the stores that an earlier rank numbering left on this host are freed
+(their last use was the restore).
 """
 
 from __future__ import annotations

@@ -400,6 +400,10 @@ class CheckpointEngine:
         it: it is newer than memory's last committed version). Collective (every rank
         agreed)."""
         if self.persisting.owed and self._steps_done is not None:
+            # the small state (RNG, state= objects, hyperparameters, buffers) of version
+            # ``steps done``, as the next iteration's start would capture it (the
+            # SIGTERM flush runs there, after that capture)
+            self.state.capture()
             where = self.ck.persist.dir
             self.persisting.flush(self._steps_done, self.ck.timeouts.flush_s, where, "close")
 

@@ -110,6 +110,7 @@ def _job(rank: int, world: int, root: str, full_every: int) -> dict[str, Any]:
         s["opt"].zero_grad()
         s["schedule"].step(x, target=y)
         s["opt"].step()
+    versions[ITERATIONS] = _small(s)  # the final state (close() may persist it)
     ft.close()
     out: dict[str, Any] = {"versions": versions}
     for source in ("memory", "disk"):
