@@ -124,6 +124,11 @@ class CheckpointEngine:
         """Steps completed in this process: the live state is that version at close."""
 
     @property
+    def _differential(self) -> bool:
+        """The rotation's versions are differential payloads (K > 1), not the state."""
+        return self.rotation.layout is not None and self.rotation.layout.payload is not None
+
+    @property
     def committed(self) -> int | None:
         """Newest globally committed version."""
         return self.commit.committed
@@ -240,9 +245,7 @@ class CheckpointEngine:
                 "protect", "ckpt", start, end, slot="after_step", exposed=True, bytes=encoded
             )
             stopping = self.termination is not None and self.termination.requested
-            lay = self.rotation.layout
-            differential = lay is not None and lay.payload is not None
-            ready = self.persisting.ready(v.version, differential=differential)
+            ready = self.persisting.ready(v.version, differential=self._differential)
             self.commit.post(v.version, complete, stopping, ready)
         self.last_metrics = {
             "committed_version": self.committed,
@@ -303,10 +306,9 @@ class CheckpointEngine:
             version, self.k, rank=self.rank, peers=set(self.peers), topology=self.topology,
             job_id=self.ck.store.job_id,
         )  # fmt: skip
-        lay = self.rotation.layout
         self.persisting.committed(
             version,
-            differential=lay is not None and lay.payload is not None,
+            differential=self._differential,
             slot_data=lambda: self._slot_data(version),
             agreed=self.commit.persist_agreed,
         )

@@ -103,11 +103,12 @@ class Membership:
         if not self.lost.gone or idle:
             return
         done = {r for r, b in self.control.beats().items() if b == b"done"}
-        verdict = self.lost.verdict(self.control.members, done, self.control.hosts(), now)
+        host_of = self.control.hosts()
+        verdict = self.lost.verdict(self.control.members, done, host_of, now)
         if verdict is None or self.control.given_up() is not None:
             return
-        if verdict.world is not None:
-            self._shrink(verdict, verdict.world)
+        if verdict.world is not None and host_of is not None:
+            self._shrink(verdict, verdict.world, host_of)
             return
         log.warning(
             "baft supervisor 0: the supervisors of ranks %s are gone; not shrinking "
@@ -118,12 +119,11 @@ class Membership:
             f"agent died)"
         )
 
-    def _shrink(self, verdict: Verdict, world: tuple[int, ...]) -> None:
+    def _shrink(self, verdict: Verdict, world: tuple[int, ...], host_of: dict[int, int]) -> None:
         """Rank 0: the job goes on without the lost hosts from the next generation no
         supervisor entered yet (its store is not open: every supervisor reads the new
         world before it can enter)."""
         first = self.control.hosted + 1
-        host_of = self.control.hosts() or {}
         self.control.shrink(first, {r: host_of[r] for r in world})
         cause = (
             f"host(s) {list(verdict.hosts)} lost (ranks {list(verdict.lost)}): the job "

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -66,6 +67,17 @@ def test_a_partly_lost_host_is_given_the_grace_then_the_group_restarts() -> None
     assert unknown is not None and unknown.world is None and unknown.hosts == ()
 
 
+def _eventually(read: Callable[[], Any], want: Any, within_s: float = 5.0) -> Any:
+    """``read()`` once it returns ``want`` (or at the deadline): a value another client
+    connection set reaches the store in that connection's order, not this one's."""
+    deadline = time.monotonic() + within_s
+    got = read()
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got = read()
+    return got
+
+
 def test_the_control_store_hands_the_shrunk_world_to_every_supervisor() -> None:
     c0 = Control("127.0.0.1", 0, rank=0, world_size=4, timeout_s=5.0)
     c3 = Control("127.0.0.1", c0.listen_port, rank=3, world_size=4, timeout_s=5.0)
@@ -74,17 +86,18 @@ def test_the_control_store_hands_the_shrunk_world_to_every_supervisor() -> None:
     c2 = Control("127.0.0.1", c0.listen_port, rank=2, world_size=4, timeout_s=5.0)
     for c, h in [(c0, 0), (c1, 0), (c2, 1), (c3, 1)]:
         c.publish_host(h)
-    assert c0.hosts() == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert _eventually(c0.hosts, {0: 0, 1: 0, 2: 1, 3: 1}) == {0: 0, 1: 0, 2: 1, 3: 1}
     c0.host_generation(0)
     assert c0.hosted == 0 and c3.world(0) is None
     c0.shrink(1, {0: 0, 1: 0})
-    assert c3.world(0) is None and c3.world(1) == c3.world(5) == {0: 0, 1: 0}
+    assert _eventually(lambda: c3.world(1), {0: 0, 1: 0}) == {0: 0, 1: 0}
+    assert c3.world(0) is None and c3.world(5) == {0: 0, 1: 0}
     c0.members = (0, 1)
     c0.beat(1)
     c3.beat(7)  # a lost rank's stale beat is no member's
     assert c0.beats() == {}
     c1.members = (0, 1)
-    assert c1.beats() == {0: b"1"}
+    assert _eventually(c1.beats, {0: b"1"}) == {0: b"1"}
 
 
 @pytest.fixture
