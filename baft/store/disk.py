@@ -201,6 +201,9 @@ class Persister:
         before exit has no training to yield to)."""
         self._jobs: queue.Queue[_Job | object] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        """Set once the writer thread has set its priority: a waiter must not raise it
+        before it lowers itself (it would then stay idle through the wait)."""
         self._last_version: int | None = None
         self._closed = False
         self.layouts: Mapping[str, ShardLayout] = {}
@@ -242,6 +245,7 @@ class Persister:
                 target=self._run, name=f"baft-persister-{self.rank}", daemon=True
             )
             self._thread.start()
+            self._started.wait()
         self._jobs.put(job)
         return SaveHandle(version, future, self.timeout_s)
 
@@ -297,8 +301,11 @@ class Persister:
         return self._thread.native_id if self._thread is not None else None
 
     def _run(self) -> None:
-        if self._on_thread_start is not None and self.background:
-            self.lowered = self._on_thread_start()
+        try:
+            if self._on_thread_start is not None and self.background:
+                self.lowered = self._on_thread_start()
+        finally:
+            self._started.set()
         run_jobs(self._jobs, self._save)
 
     def _save(self, job: _Job) -> None:

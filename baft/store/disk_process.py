@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -97,7 +98,6 @@ class ProcessPersister(Persister):
         )  # fmt: skip
         self.buffer_dir = Path(buffer_dir)
         self.idle = idle
-        self.lowered = idle
         world = dist.get_world_size(process_group) if self._distributed else 1
         address = store_address() if self._distributed else None
         if self._distributed and address is None:
@@ -119,9 +119,16 @@ class ProcessPersister(Persister):
             pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         theirs.close()
+        # lowered here, before the child runs a line (one thread yet): were it to lower
+        # itself, a waiter's boost could come first and the child stay idle through the
+        # wait; its import of torch then starved behind any busy core (a DataLoader)
+        self.lowered = idle and _set_policy(self._proc.pid, idle=True)
+        self._boosts = 0
+        self._boost_lock = threading.Lock()
         self._conn.send(
             {
-                "parent": os.getpid(), "idle": idle, "rank": rank, "world": world,
+                "parent": os.getpid(), "idle": idle and not self.lowered,
+                "rank": rank, "world": world,
                 "host": address[0] if address else None,
                 "port": address[1] if address else 0, "prefix": prefix,
                 "directory": str(self.directory), "keep_latest": keep_latest,
@@ -202,7 +209,12 @@ class ProcessPersister(Persister):
         self.inline_bytes = inline
         if inline:
             log.debug("v%d: %d B of the state sent to the writer pickled", job.version, inline)
-        self._conn.send(("save", job.version, entries, job.metadata, layouts))
+        # plain pickle, by value: Connection.send's ForkingPickler would hand a tensor over
+        # as a shared-memory handle whose fd torch passes through multiprocessing's
+        # resource sharer, which refuses a process not started by multiprocessing
+        self._conn.send_bytes(
+            pickle.dumps(("save", job.version, entries, job.metadata, layouts), protocol=5)
+        )
         reply = self._receive()
         if reply is None:
             raise RuntimeError(self._failed)
@@ -229,12 +241,20 @@ class ProcessPersister(Persister):
     @contextmanager
     def boosted(self) -> Iterator[None]:
         """While the caller waits for a save: the writer process at normal priority."""
-        changed = self.idle and _set_policy(self._proc.pid, idle=False)
+        if not self.lowered:
+            yield
+            return
+        with self._boost_lock:  # nestable: the outermost waiter lowers it again
+            self._boosts += 1
+            if self._boosts == 1:
+                _set_policy(self._proc.pid, idle=False)
         try:
             yield
         finally:
-            if changed:
-                _set_policy(self._proc.pid, idle=True)
+            with self._boost_lock:
+                self._boosts -= 1
+                if self._boosts == 0:
+                    _set_policy(self._proc.pid, idle=True)
 
     def abort(self) -> None:
         """Stop at once, without a collective (the generation is abandoned): kill the

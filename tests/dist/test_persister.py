@@ -389,6 +389,24 @@ def test_resaving_a_version_replaces_it(tmp_path: Path) -> None:
     assert got["w"].tolist() == [2.0, 2.0, 2.0]
 
 
+def test_the_writer_thread_has_set_its_priority_before_save_async_returns(
+    tmp_path: Path,
+) -> None:
+    """A waiter raises the writer thread only if it is lowered: ``lowered`` must be true
+    before the first save can be waited on (a thread lowering itself after the waiter's
+    boost would stay idle through the wait)."""
+
+    def slow_lower() -> bool:
+        time.sleep(0.3)
+        return True
+
+    p = Persister(tmp_path, rank=0, on_thread_start=slow_lower)
+    handle = p.save_async(1, {"w": torch.ones(4)})
+    assert p.lowered is True
+    handle.wait(30)
+    p.shutdown()
+
+
 def test_constructor_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keep_latest"):
         Persister(tmp_path, rank=0, keep_latest=0)

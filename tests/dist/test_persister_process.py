@@ -224,3 +224,33 @@ def test_writer_exits_when_its_training_process_is_killed(tmp_path: Path, when: 
         dcp.load(got, checkpoint_id=version_dir(tmp_path / "ckpt", version), no_dist=True)
         flat = torch.cat([got[f"t{i}"] for i in range(256)])
         assert torch.equal(flat, torch.arange(flat.numel(), dtype=torch.int64).to(torch.uint8))
+
+
+def _policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.timeout(60)
+def test_the_writer_is_idle_from_its_first_line_and_a_waiter_raises_it(tmp_path: Path) -> None:
+    """The writer process is lowered by its parent before it runs (were it to lower itself,
+    a waiter's boost could come first and it would stay idle through the wait, its torch
+    import starved behind any busy core), and a waiter raises every thread of it for as
+    long as the outermost wait lasts."""
+    p = ProcessPersister(tmp_path / "ckpt", prefix="x", buffer_dir=tmp_path, rank=0)
+    try:
+        if not p.lowered:
+            pytest.skip("this machine refuses SCHED_IDLE")
+        assert _policies(p.pid) == {os.SCHED_IDLE}  # at once, before the child's import
+        with p.boosted():
+            assert _policies(p.pid) == {os.SCHED_OTHER}
+            with p.boosted():
+                pass
+            assert _policies(p.pid) == {os.SCHED_OTHER}  # the inner wait ended, not this
+            handle = p.save_async(1, {"w": torch.arange(1000, dtype=torch.float32)})
+            handle.wait(30)
+        assert _policies(p.pid) == {os.SCHED_IDLE}  # every thread, those it started too
+        got = {"w": torch.zeros(1000)}
+        dcp.load(got, checkpoint_id=version_dir(tmp_path / "ckpt", 1), no_dist=True)
+        assert torch.equal(got["w"], torch.arange(1000, dtype=torch.float32))
+    finally:
+        p.shutdown()
