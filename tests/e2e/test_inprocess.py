@@ -87,10 +87,21 @@ def _fault(agent: subprocess.Popen[bytes], run: Path, rank: int, sig: int) -> di
     os.kill(before[rank], sig)
     _wait(lambda: _finished(run) >= at + 3, "iterations after the recovery", agent)
     after = _children(agent.pid)
-    assert after[rank] != before[rank], (rank, before, after)
+    assert after[rank] != before[rank], (rank, before, after, _decisions(run))
     survivors = {r: p for r, p in before.items() if r != rank}
-    assert {r: after[r] for r in survivors} == survivors, (before, after)
+    assert {r: after[r] for r in survivors} == survivors, (before, after, _decisions(run))
     return after
+
+
+def _decisions(run: Path) -> str:
+    """The supervisors' and watchdogs' lines from the agent's per-rank logs: why a
+    recovery went the way it did, when it did not go in-process (a flake's only trace)."""
+    lines = []
+    for f in sorted((run / "logs").rglob("*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            if "baft supervisor" in line or "baft watchdog" in line:
+                lines.append(f"{f.parent.name}: {line[:300]}")
+    return "\n".join(lines[-60:])
 
 
 def test_survivors_keep_their_processes_and_the_trajectory(tmp_path: Path) -> None:
@@ -106,12 +117,12 @@ def test_survivors_keep_their_processes_and_the_trajectory(tmp_path: Path) -> No
         try:
             _fault(agent, run, 1, signal.SIGKILL)
             _fault(agent, run, 2, signal.SIGSTOP)  # the watchdog names it after TIMEOUT_S
-            assert agent.wait(timeout=200) == 0
+            assert agent.wait(timeout=200) == 0, _decisions(run)
         finally:
             if agent.poll() is None:
                 kill_tree(agent)
         recs = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
-        assert [r["inprocess"]["generation"] for r in recs] == [1, 2], recs
+        assert [r["inprocess"]["generation"] for r in recs] == [1, 2], (recs, _decisions(run))
         assert all(r["source"] == "memory" and r["lost_iterations"] <= 1 for r in recs), recs
         assert recs[1]["hang"]["suspect"] == 2, recs[1]
         for r in range(WORLD):
