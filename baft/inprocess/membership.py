@@ -2,11 +2,12 @@
 
 - **Heartbeats** (every supervisor): each beats in the control store twice a second and
   watches its peers' beats; a peer silent for ``peer_silence_s`` is taken for lost (a
-  frozen host, a cut network: what closes no connection).
+  frozen host, a cut network: what closes no connection). Rank 0 counts it lost as an
+  ended lease (below); the other supervisors wait for rank 0's verdict.
 - **Leases** (:mod:`.lease`): every peer holds a connection to rank 0's supervisor for
   its life, so rank 0 reads at once that a peer's process died with its host or its
   torchrun agent. A peer that finished says so first.
-- **A lost host** (rank 0, :class:`~.policy.LostPeers`): an elastic job
+- **A lost host** (rank 0, :class:`~.policy.LostPeers`; killed or frozen): an elastic job
   (:class:`baft.config.ElasticConfig`) that lost whole hosts *shrinks in-process*: the
   next generation runs on the hosts left, the survivors keep their processes and
   re-enter with their ranks renumbered as torchrun would number them
@@ -28,7 +29,7 @@ from typing import Any
 from baft.config import InprocessTimeouts
 from baft.inprocess.control import Control
 from baft.inprocess.lease import LeaseServer, hold_lease, serve_leases
-from baft.inprocess.policy import LostPeers, Verdict, silent_peers, world_env
+from baft.inprocess.policy import LostPeers, Silence, Verdict, silent_peers, world_env
 
 log = logging.getLogger("baft")
 
@@ -62,6 +63,11 @@ class Membership:
         self._peer_seen: dict[int, tuple[bytes, float]] = {}
         """Peer supervisors' last heartbeat value and when it changed (monotonic)."""
         self._done: set[int] = set()
+        self._silent: list[int] = []
+        """The last heartbeat check's silent peers (between checks, the answer stands)."""
+        self._silence = Silence(timeouts.peer_silence_s)
+        self._fed: set[int] = set()
+        """Rank 0: the silent peers already counted lost (until they beat again)."""
 
     def waitables(self) -> list[Any]:
         """What the supervisor's wait wakes on for leases (rank 0)."""
@@ -115,8 +121,8 @@ class Membership:
             "in-process: %s", list(verdict.lost), verdict.why_not,
         )  # fmt: skip
         self.control.give_up(
-            f"the supervisors of ranks {list(verdict.lost)} are gone (their host or torchrun "
-            f"agent died)"
+            f"the supervisors of ranks {list(verdict.lost)} are gone or silent (their host or "
+            f"torchrun agent died or froze)"
         )
 
     def _shrink(self, verdict: Verdict, world: tuple[int, ...], host_of: dict[int, int]) -> None:
@@ -138,7 +144,7 @@ class Membership:
         ``peer_silence_s``."""
         now = time.monotonic()
         if now - self._beat_at < 0.5:
-            return []
+            return self._silent
         self._beat_at = now
         self._beat += 1
         self.control.beat(self._beat)
@@ -148,8 +154,23 @@ class Membership:
                 self._done.add(r)
             elif r not in self._done and self._peer_seen.get(r, (b"", 0.0))[0] != raw:
                 self._peer_seen[r] = (raw, now)
-        last = {r: at for r, (_, at) in self._peer_seen.items()}
-        return silent_peers(now, last, self.timeouts.peer_silence_s)
+        members = set(self.control.members)
+        last = {r: at for r, (_, at) in self._peer_seen.items() if r in members}
+        self._silent = silent_peers(now, last, self.timeouts.peer_silence_s)
+        return self._silent
+
+    def on_silence(self, silent: Sequence[int]) -> str | None:
+        """What to do about peers silent for ``peer_silence_s`` (a frozen host: power or
+        network lost, its sockets never close, so no lease ends): why to give up, or
+        None. Rank 0 counts them lost as if their leases ended, so an elastic job that
+        lost whole hosts shrinks in-process (:meth:`check_leases`); a peer waits for rank
+        0's verdict (:class:`~.policy.Silence`)."""
+        now = time.monotonic()
+        if self.rank == 0:  # each silence once, as a lease ends once
+            self.lost.ended(set(silent) - self._fed, now)
+            self._fed = set(silent)
+            return None
+        return self._silence.why_give_up(silent, now)
 
     def await_peers(self, poll_s: float) -> None:
         """Rank 0's child ended: keep the control store up until every peer's child

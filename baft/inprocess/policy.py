@@ -10,8 +10,10 @@ when:
   before the first is repaired), where a clean start of every process is the safer bet;
 - a rank failed more than ``max_failures`` times in this launch attempt (a rank that
   keeps failing: a bad host, a bug that fires on every attempt);
-- a peer supervisor went silent: its host is gone (node loss), and no replacement
-  process can join until torchrun's rendezvous brings in a new node.
+- a peer supervisor's lease ended or it went silent: its host is gone (node loss) or
+  frozen, and no replacement process can join until torchrun's rendezvous brings in a
+  new node; unless the job has elastic replicas and lost whole hosts, which it then
+  shrinks off in-process (:class:`LostPeers`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,29 @@ def must_replace(rank: int, kill: set[int], spawned_in: int, generation: int) ->
 def silent_peers(now: float, last_change: dict[int, float], limit_s: float) -> list[int]:
     """Peers whose supervisor heartbeat has not changed for more than ``limit_s``."""
     return sorted(r for r, at in last_change.items() if now - at > limit_s)
+
+
+@dataclass
+class Silence:
+    """A peer supervisor (not rank 0) facing silent peers: rank 0 takes them for lost
+    and shrinks the job or gives up, and that verdict reaches every supervisor through
+    the control store. The peer gives up itself only when rank 0 is among the silent or
+    the silence outlasts another ``limit_s`` with no verdict."""
+
+    limit_s: float
+    since: float | None = None
+
+    def why_give_up(self, silent: Collection[int], now: float) -> str | None:
+        if not silent:
+            self.since = None
+            return None
+        why = f"the supervisors of ranks {sorted(silent)} are silent (host lost?)"
+        if 0 in silent:
+            return why
+        self.since = now if self.since is None else self.since
+        if now - self.since > self.limit_s:
+            return f"{why}, and rank 0 decided nothing in {self.limit_s:g} s"
+        return None
 
 
 @dataclass(frozen=True, slots=True)

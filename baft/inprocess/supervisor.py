@@ -204,9 +204,9 @@ class Supervisor:
                 return self._end(reason, "another rank gave up: ")
             self._follow(self.control.generation())
             self._check_unresponsive()
-            silent = self.members.silent()
-            if silent:
-                self.control.give_up(f"the supervisors of ranks {silent} are silent (host lost?)")
+            why = self.members.on_silence(self.members.silent())
+            if why is not None:
+                self.control.give_up(why)
 
     def _read_messages(self) -> None:
         while self.conn is not None and self.conn.poll():

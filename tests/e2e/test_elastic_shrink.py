@@ -4,7 +4,8 @@ host returns, and stays bit-identical to the run that never lost it.
 Two torchrun agents (``--nnodes 1:2``, one per simulated host, own store roots and host
 ids; ``tests/e2e/elastic_launch.py``) run ``tests/e2e/elastic_script.py``: pp=2 with 2
 elastic replicas (dp=2 on 4 ranks). Host b (ranks 2,3: stage 1's replicas) is killed with
-every process under it at a random moment; host a's 2 ranks take both replicas of both
+every process under it at a random moment (or frozen, SIGSTOP: a host that lost power or
+its network, whose sockets stay open and whose supervisors fall silent); host a's 2 ranks take both replicas of both
 stages (dp=1), stage 1 rebuilt from the parity host a holds. Later host b's agent starts
 again (its stale stores of the 4-rank job still on its disk) and the job grows back to 4
 ranks (from host a's memory, or from the DCP checkpoint that torchrun's SIGTERM of the
@@ -32,6 +33,7 @@ from tests.e2e.elastic_launch import (
     agent_events,
     exit_codes,
     first_after,
+    freeze_host,
     lose_host,
     start_agent,
     start_rendezvous,
@@ -71,18 +73,21 @@ def _worlds_after(out: Path, world: int, t: float) -> list[dict[str, Any]]:
     return [r for r in _trace(out) if r["world"] == world and r["t"] > t]
 
 
-ELASTIC_CASES = [  # (launch, full_every): the default launch and policy first
-    (True, "auto"),
-    (False, "auto"),
-    (False, "1"),
+ELASTIC_CASES = [  # (launch, full_every, loss): the default launch and policy first
+    (True, "auto", "kill"),
+    (True, "auto", "freeze"),  # power or network lost: sockets stay open, peers fall silent
+    (False, "auto", "kill"),
+    (False, "1", "kill"),
 ]
 
 
 @pytest.mark.parametrize(
-    "inprocess,full_every", ELASTIC_CASES, ids=["inprocess-diff", "group-diff", "group-full"]
+    "inprocess,full_every,loss",
+    ELASTIC_CASES,
+    ids=["inprocess-diff", "inprocess-frozen", "group-diff", "group-full"],
 )
 def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
-    tmp_path: Path, inprocess: bool, full_every: str
+    tmp_path: Path, inprocess: bool, full_every: str, loss: str
 ) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -107,7 +112,7 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
             240, alive=[a, b], what=f"iteration {kill_at} on 4 ranks",
         )  # fmt: skip
         time.sleep(rng.uniform(0, 0.3))
-        t_lost = lose_host(b)
+        t_lost = lose_host(b) if loss == "kill" else freeze_host(b)
         shrunk = wait_until(
             lambda: _worlds_after(out, 2, t_lost), 120, alive=[a], what="the job on host a alone"
         )
@@ -117,6 +122,8 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
             lambda: any(r["it"] >= grow_after for r in _worlds_after(out, 2, t_lost)),
             120, alive=[a], what="iterations on host a alone",
         )  # fmt: skip
+        if loss == "freeze":
+            lose_host(b)  # the frozen host is gone for good before it comes back
         t_back = time.time()
         b = host("b", "127.0.0.2", 1)
         wait_until(lambda: _worlds_after(out, 4, t_back), 180, alive=[a, b], what="the grown job")
@@ -126,7 +133,7 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(
             if p.poll() is None:
                 lose_host(p)
         del rdzv
-    where = f"seed {seed}, logs in {tmp_path}"
+    where = f"seed {seed}, {loss}, logs in {tmp_path}"
     assert codes == {"a": 0, "b": 0}, (codes, where)
     recs = _trace(out)
     wrong = [r for r in recs if ref[(r["pp"], r["it"])] != r["digest"]]

@@ -15,7 +15,14 @@ from baft.config import dp_degree
 from baft.inprocess import messages as msg
 from baft.inprocess.channel import Channel
 from baft.inprocess.control import Control
-from baft.inprocess.policy import Elastic, LostPeers, Verdict, shrunk_world, world_env
+from baft.inprocess.policy import (
+    Elastic,
+    LostPeers,
+    Silence,
+    Verdict,
+    shrunk_world,
+    world_env,
+)
 from baft.liveness.generation import GENERATION_ENV, Generation
 
 HOSTS = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}  # three hosts of two ranks
@@ -129,3 +136,30 @@ def test_a_survivor_re_enters_with_its_new_rank_and_world(piped: Any) -> None:
         "5678",
     )
     assert os.environ["GROUP_RANK"] == "1" and ch.rank == 2
+
+
+def test_a_peer_leaves_a_silence_to_rank_0_unless_rank_0_is_silent_or_undecided() -> None:
+    s = Silence(limit_s=5.0)
+    assert s.why_give_up([2, 3], now=100.0) is None  # rank 0 shrinks or gives up
+    assert s.why_give_up([2, 3], now=104.9) is None
+    assert s.why_give_up([2, 3], now=105.1) == (
+        "the supervisors of ranks [2, 3] are silent (host lost?), and rank 0 decided nothing in 5 s"
+    )
+    assert s.why_give_up([], now=106.0) is None and s.since is None  # the world moved on
+    assert s.why_give_up([3], now=107.0) is None and s.since == 107.0
+    assert s.why_give_up([0, 1], now=107.1) == (
+        "the supervisors of ranks [0, 1] are silent (host lost?)"  # rank 0's host: no verdict
+    )
+
+
+def test_silent_hosts_count_as_lost_like_ended_leases() -> None:
+    """Rank 0 feeds silent peers to the same verdict as ended leases: a frozen whole
+    host shrinks an elastic job; a frozen part of a host waits the grace, then gives up."""
+    lost = LostPeers(grace_s=1.0, elastic=Elastic(6, 2))
+    members = tuple(range(6))
+    lost.ended([4, 5], now=50.0)  # both of host 2's supervisors fell silent
+    assert lost.verdict(members, set(), HOSTS, now=50.0) == Verdict((4, 5), (0, 1, 2, 3), "", (2,))
+    lost.ended([5], now=60.0)
+    assert lost.verdict(members, set(), HOSTS, now=60.5) is None
+    got = lost.verdict(members, set(), HOSTS, now=61.1)
+    assert got is not None and got.world is None and got.lost == (5,)
