@@ -343,7 +343,7 @@ class CheckpointEngine:
         """Nothing may still read the store's mappings: they are about to be replaced
         (a resized file under a live mapping is a SIGBUS for its reader)."""
         self.writer.worker.drain()
-        self.persisting.join()
+        self.persisting.join_store_reads()
 
     def _fire(self, point: str, iteration: int) -> None:
         if self.injector is not None:

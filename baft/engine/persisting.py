@@ -213,6 +213,9 @@ class Persisting:
         self._fire = fire
         self._copy = LiveCopy(device, keys, getattr(persister, "host_buffer", None))
         self._inflight: tuple[int, SaveHandle] | None = None
+        self._inflight_reads_store = False
+        """The save in flight reads the committed slot's mapping (full snapshots), not a
+        live copy of its own."""
         self.owed = False
         """A due version was not persisted (a save was still writing on some rank): the
         next checkpoint is due, whatever the cadence. The same on every rank (it follows
@@ -305,21 +308,24 @@ class Persisting:
             return
         if copied is not None:
             got = copied
-            self._start(version, lambda: got)
+            self._start(version, lambda: got, reads_store=False)
             return
 
         def views() -> dict[str, torch.Tensor]:
             data, start, stop = slot_data()
             return slot_views(self.flat, data, start, stop, self.keys)
 
-        self._start(version, views)
+        self._start(version, views, reads_store=True)
 
-    def _start(self, version: int, state: Callable[[], dict[str, Any]]) -> None:
+    def _start(
+        self, version: int, state: Callable[[], dict[str, Any]], *, reads_store: bool
+    ) -> None:
         assert self.persister is not None
         self._fire("persist", version)
         self.join()
         handle = self.persister.save_async(version, self._writes(state()), self.meta(version))
         self._inflight = (version, handle)
+        self._inflight_reads_store = reads_store
         self.owed = False
         self.saved += 1
 
@@ -350,6 +356,7 @@ class Persisting:
             with self._boosted():
                 self._inflight[1].wait()
             self._inflight = None
+            self._inflight_reads_store = False
 
     def _boosted(self) -> contextlib.AbstractContextManager[None]:
         p = self.persister
@@ -358,6 +365,14 @@ class Persisting:
         if p is None or p.native_id is None:
             return contextlib.nullcontext()
         return raised(p.native_id, p.lowered)
+
+    def join_store_reads(self) -> None:
+        """Before the store's mappings are replaced (a re-plan, a store lost): wait for
+        the save in flight only if it reads them. A differential save reads its own live
+        copy and goes on (waiting for it, the first one behind a writer process's start,
+        stalled training for seconds)."""
+        if self._inflight_reads_store:
+            self.join()
 
     def reading_other_than(self, committed: int | None) -> bool:
         """A save is still reading a slot that is not the committed one (the slot about

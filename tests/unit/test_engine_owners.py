@@ -199,3 +199,32 @@ def test_a_due_version_is_passed_over_not_waited_for_while_a_save_still_writes()
     assert version(5) and [h.version for h in disk.saves] == [0, 3, 5]
     disk.saves[2].finished = True
     assert version(6) and [h.version for h in disk.saves] == [0, 3, 5, 6]
+
+
+@pytest.mark.parametrize("differential", [True, False])
+def test_a_replan_waits_for_a_save_only_if_it_reads_the_store(differential: bool) -> None:
+    """Before the store's mappings are replaced (a re-plan), a save reading the committed
+    slot (full snapshots) must finish; a differential save reads its own live copy and
+    goes on (the first one waits behind a writer process's start: seconds of training)."""
+    from baft.engine.device import HostCopy
+
+    disk = _Disk()
+    flat = FlatState([("model.w", torch.arange(4.0))])
+    p = Persisting(
+        disk,  # type: ignore[arg-type]
+        every=1, interval=1, keys=PersistKeys(), topology=Topology(1, 1, 1), rank=0,
+        flat=flat, device=torch.device("cpu"), layout_digests={},
+    )  # fmt: skip
+    p.version_opened(0, differential=differential, copier=HostCopy())
+    slot = torch.arange(4.0).view(torch.uint8)
+    p.committed(0, differential=differential, slot_data=lambda: (slot, 0, slot.numel()))
+    assert [h.version for h in disk.saves] == [0]
+    if differential:
+        p.join_store_reads()  # returns at once: the handle asserts nobody waited
+        assert not disk.saves[0].finished
+    else:
+        with pytest.raises(AssertionError, match="waited for the disk"):
+            p.join_store_reads()
+        disk.saves[0].finished = True
+        p.join_store_reads()
+    assert p.busy() is (not disk.saves[0].finished)
