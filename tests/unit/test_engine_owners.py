@@ -164,6 +164,19 @@ class _Disk:
         return self.saves[-1]
 
 
+def _on_disk(every: int) -> tuple[_Disk, Persisting]:
+    """A one-rank :class:`Persisting` of one tensor over a fake disk whose saves finish
+    only when told."""
+    disk = _Disk()
+    flat = FlatState([("model.w", torch.arange(4.0))])
+    p = Persisting(
+        disk,  # type: ignore[arg-type]
+        every=every, interval=1, keys=PersistKeys(), topology=Topology(1, 1, 1), rank=0,
+        flat=flat, device=torch.device("cpu"), layout_digests={},
+    )  # fmt: skip
+    return disk, p
+
+
 def test_a_due_version_is_passed_over_not_waited_for_while_a_save_still_writes() -> None:
     """persist_every=2, differential: v0 is saved; at v2 the save of v0 still writes, so
     the rank takes no copy and votes not ready; v2 is not persisted and v3 is owed (the
@@ -171,13 +184,7 @@ def test_a_due_version_is_passed_over_not_waited_for_while_a_save_still_writes()
     resumes at v4. The training thread never waits (the handle asserts it)."""
     from baft.engine.device import HostCopy
 
-    disk = _Disk()
-    flat = FlatState([("model.w", torch.arange(4.0))])
-    p = Persisting(
-        disk,  # type: ignore[arg-type]
-        every=2, interval=1, keys=PersistKeys(), topology=Topology(1, 1, 1), rank=0,
-        flat=flat, device=torch.device("cpu"), layout_digests={},
-    )  # fmt: skip
+    disk, p = _on_disk(every=2)
 
     def version(v: int, agreed_by_peers: bool = True) -> bool:
         p.version_opened(v, differential=True, copier=HostCopy())
@@ -208,13 +215,7 @@ def test_a_replan_waits_for_a_save_only_if_it_reads_the_store(differential: bool
     goes on (the first one waits behind a writer process's start: seconds of training)."""
     from baft.engine.device import HostCopy
 
-    disk = _Disk()
-    flat = FlatState([("model.w", torch.arange(4.0))])
-    p = Persisting(
-        disk,  # type: ignore[arg-type]
-        every=1, interval=1, keys=PersistKeys(), topology=Topology(1, 1, 1), rank=0,
-        flat=flat, device=torch.device("cpu"), layout_digests={},
-    )  # fmt: skip
+    disk, p = _on_disk(every=1)
     p.version_opened(0, differential=differential, copier=HostCopy())
     slot = torch.arange(4.0).view(torch.uint8)
     p.committed(0, differential=differential, slot_data=lambda: (slot, 0, slot.numel()))
