@@ -212,10 +212,9 @@ class Persisting:
         self.layout_digests = layout_digests
         self._fire = fire
         self._copy = LiveCopy(device, keys, getattr(persister, "host_buffer", None))
-        self._inflight: tuple[int, SaveHandle] | None = None
-        self._inflight_reads_store = False
-        """The save in flight reads the committed slot's mapping (full snapshots), not a
-        live copy of its own."""
+        self._inflight: tuple[int, SaveHandle, bool] | None = None
+        """The save in flight: its version, its handle, and whether it reads the
+        committed slot's mapping (full snapshots) rather than a live copy of its own."""
         self.owed = False
         """A due version was not persisted (a save was still writing on some rank): the
         next checkpoint is due, whatever the cadence. The same on every rank (it follows
@@ -324,8 +323,7 @@ class Persisting:
         self._fire("persist", version)
         self.join()
         handle = self.persister.save_async(version, self._writes(state()), self.meta(version))
-        self._inflight = (version, handle)
-        self._inflight_reads_store = reads_store
+        self._inflight = (version, handle, reads_store)
         self.owed = False
         self.saved += 1
 
@@ -334,6 +332,11 @@ class Persisting:
         within ``timeout_s``. Collective (the persister's group)."""
         if self.persister is None:
             return
+        try:  # after the save in flight (a writer process's would race this one)
+            self.join()
+        except Exception as e:  # noqa: BLE001 - the flush is what matters now
+            log.error("%s: the DCP save in flight failed (%s); flushing anyway", at, e)
+            self._inflight = None
         state = self._writes({self.keys(n): t for n, t in self._share()})
         self.persister.background = False  # about to exit: nothing to yield the core to
         with self._boosted():
@@ -356,7 +359,6 @@ class Persisting:
             with self._boosted():
                 self._inflight[1].wait()
             self._inflight = None
-            self._inflight_reads_store = False
 
     def _boosted(self) -> contextlib.AbstractContextManager[None]:
         p = self.persister
@@ -371,7 +373,7 @@ class Persisting:
         the save in flight only if it reads them. A differential save reads its own live
         copy and goes on (waiting for it, the first one behind a writer process's start,
         stalled training for seconds)."""
-        if self._inflight_reads_store:
+        if self._inflight is not None and self._inflight[2]:
             self.join()
 
     def reading_other_than(self, committed: int | None) -> bool:

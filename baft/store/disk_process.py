@@ -97,7 +97,6 @@ class ProcessPersister(Persister):
             timeout_s=timeout_s, release_group=release_group, on_thread_start=on_thread_start,
         )  # fmt: skip
         self.buffer_dir = Path(buffer_dir)
-        self.idle = idle
         world = dist.get_world_size(process_group) if self._distributed else 1
         address = store_address() if self._distributed else None
         if self._distributed and address is None:
