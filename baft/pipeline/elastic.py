@@ -28,9 +28,14 @@ the last replica the gradients are reduced over all ``R`` replicas:
 
 What the loop consumes outside ``ft.replicas()`` (an RNG draw, a counter of a
 ``state=`` object other than an LR scheduler) is not a replica's and would differ after
-a shrink: keep it inside. Buffers updated by a forward (BatchNorm's running statistics)
-are the stage's, not a replica's: a model with them is not bit-identical across a change
-of ``dp`` (its records are still restored exactly).
+a shrink: keep it inside.
+
+Buffers a forward updates (BatchNorm's running statistics) end every iteration as the
+first replica's, as DDP's ``broadcast_buffers`` makes them: each hosted replica's body
+starts from the buffers the iteration began with, the first replica's result is kept,
+and at the reduction the stage's DP ranks take replica 0's (a broadcast from the rank
+hosting it). So the buffers too are the same bits whatever ``dp`` is, with no per-replica
+copy in the checkpoint: at an iteration boundary every replica holds replica 0's.
 
 Each replica's records are in the checkpoint under its virtual index
 (``extra.state.dp<r>.<key>``, :mod:`baft.pipeline.replicas`), so the layout is the same
@@ -49,7 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from baft.config import ElasticConfig, dp_degree
 from baft.pipeline.encoding import local
-from baft.pipeline.state import TrainingState
+from baft.pipeline.state import TrainingState, persistent_buffers
 
 if TYPE_CHECKING:
     from baft.pipeline.step import StepRunner
@@ -90,6 +95,9 @@ class VirtualReplicas:
         """Each hosted replica's records as of its last body's end (the live objects hold
         the last replica's)."""
         self._live = self.hosted[0]
+        self.buffers = _StageBuffers(state.modules)
+        """The stage's persistent buffers: each replica's body starts from the
+        iteration's, and the iteration ends with replica 0's."""
         self._grads: dict[int, list[torch.Tensor | None]] = {}
         self._bufs: dict[int, torch.Tensor] = {}
         self.reduced = False
@@ -173,15 +181,23 @@ class VirtualReplicas:
         self.reduced = False
         self._grads = {}
         swap = len(self.hosted) > 1  # one replica: its records are the live ones
+        start = self.buffers.values() if swap else None
+        first: list[torch.Tensor] | None = None
         for r in self.hosted:
             if swap and self._live != r:
                 self._load(r)
+            if start is not None and first is not None:
+                self.buffers.set(start)  # this replica's forward from the iteration's
             yield r
             self._grads[r] = [p.grad for p in self.params]
             if swap:
                 self._save(r)
                 for p in self.params:
                     p.grad = None
+            if start is not None and first is None:
+                first = self.buffers.values()
+        if first is not None and len(first):
+            self.buffers.set(first)
         reduce(self._reduce)
         self.reduced = True
 
@@ -234,6 +250,8 @@ class VirtualReplicas:
             dist.all_gather(gathered, mine, group=self.dp_group)
             acc = tree_sum([x for g in gathered for x in g.chunk(len(flats))])
         acc.div_(self.num_replicas)
+        if ranks > 1:
+            self.buffers.broadcast(self.dp_group)
         offset = 0
         for p in self.params:
             n = local(p).numel()
@@ -243,6 +261,41 @@ class VirtualReplicas:
             else:
                 local(p.grad).copy_(g)
             offset += n
+
+
+class _StageBuffers:
+    """The persistent buffers of a stage's modules, looked up live each time (a module
+    may replace a buffer rather than update it)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self._where: list[tuple[torch.nn.Module, str]] = []
+        for m in modules:
+            for fqn, _ in persistent_buffers(m):
+                owner, _, leaf = fqn.rpartition(".")
+                self._where.append((m.get_submodule(owner), leaf))
+
+    def _live(self) -> list[torch.Tensor]:
+        return [local(mod._buffers[leaf]) for mod, leaf in self._where]  # type: ignore[arg-type]
+
+    def values(self) -> list[torch.Tensor]:
+        return [b.detach().clone() for b in self._live()]
+
+    @torch.no_grad()
+    def set(self, values: Sequence[torch.Tensor]) -> None:
+        for live, v in zip(self._live(), values, strict=True):
+            live.copy_(v)
+
+    @torch.no_grad()
+    def broadcast(self, group: dist.ProcessGroup | None) -> None:
+        """Every DP rank of the stage takes replica 0's (its DP rank 0 hosts it)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in self._live():
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for bufs in by_dtype.values():  # one message per dtype, not one per buffer
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            dist.broadcast(flat, group=group, group_src=0)
+            for b, v in zip(bufs, flat.split([b.numel() for b in bufs]), strict=True):
+                b.copy_(v.view_as(b))
 
 
 def _split(n: int) -> int:

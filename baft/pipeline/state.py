@@ -141,7 +141,7 @@ def check_saved_layout(saved: Iterable[Any], layout: Iterable[TensorInfo]) -> No
         )
 
 
-def _persistent_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+def persistent_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """``m``'s buffers that ``state_dict()`` saves (non-persistent ones are derived)."""
     for fqn, b in m.named_buffers():
         owner, _, leaf = fqn.rpartition(".")
@@ -289,7 +289,7 @@ class TrainingState:
                     self._param_names[id(p)] = fqn
                     self._add(name, p.data)
         for m in self.modules:
-            for fqn, b in _persistent_buffers(m):
+            for fqn, b in persistent_buffers(m):
                 name = names.buffer(fqn)
                 if add(name, b):
                     owner, _, leaf = fqn.rpartition(".")

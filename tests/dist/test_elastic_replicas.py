@@ -52,7 +52,7 @@ def _digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _build(world: int) -> dict[str, Any]:
+def _build(world: int, bn: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -60,7 +60,10 @@ def _build(world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, world // 2, 1), mesh_dim_names=("pp", "dp", "tp"))
     pp = mesh.get_local_rank("pp")
     torch.manual_seed(pp)  # the same on every replica of a stage, and each replica's RNG
-    module = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 6))
+    # running statistics that each replica's forward moves (on the first stage: a later
+    # one would need input_args, torch's shape inference feeding it uninitialised memory)
+    norm = [nn.BatchNorm1d(6)] if bn and pp == 0 else []
+    module = nn.Sequential(nn.Linear(6, 6), *norm, nn.Dropout(0.3), nn.Linear(6, 6))
     stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
     schedule = ScheduleGPipe(
         stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).square().mean()
@@ -103,9 +106,9 @@ def _body(s: dict[str, Any], r: int) -> None:
 
 def _run(
     rank: int, world: int, root: str, start_at: int, stop_at: int, keep: bool, full_every: int = 1,
-    persist_every: int = 1,
+    persist_every: int = 1, bn: bool = False,
 ) -> Any:  # fmt: skip
-    s = _build(world)
+    s = _build(world, bn)
     ft = _protect(s, root, full_every, persist_every)
     if keep:
         ft.checkpoint.store.keep_on_close = True
@@ -128,11 +131,12 @@ def _run(
     return out
 
 
-def _plain(rank: int, world: int) -> dict[int, Any]:
-    """The same loop without baft on 4 ranks: each rank its replica, all-reduce average."""
+def _plain(rank: int, world: int, bn: bool = False) -> dict[int, Any]:
+    """The same loop without baft on 4 ranks: each rank its replica, all-reduce average,
+    buffers from the first replica after the step (as DDP's ``broadcast_buffers``)."""
     import torch.distributed as dist
 
-    s = _build(world)
+    s = _build(world, bn)
     r = s["mesh"].get_local_rank("dp")
     out = {}
     for it in range(ITERATIONS):
@@ -144,14 +148,22 @@ def _plain(rank: int, world: int) -> dict[int, Any]:
         torch.nn.utils.clip_grad_norm_(s["module"].parameters(), 1.0)
         s["opt"].step()
         s["sched"].step()
+        for b in s["module"].buffers():
+            dist.broadcast(b, group=s["mesh"].get_group("dp"), group_src=0)
         out[it] = _digest(s["module"])
     return out
 
 
-def test_one_rank_per_stage_computing_both_replicas_is_bit_identical(gloo, tmp_path: Path) -> None:
-    four = gloo.run(_run, 4, args=(str(tmp_path / "a"), 0, ITERATIONS, False), timeout_s=240)
-    two = gloo.run(_run, 2, args=(str(tmp_path / "b"), 0, ITERATIONS, False), timeout_s=240)
-    plain = gloo.run(_plain, 4, timeout_s=120)
+@pytest.mark.parametrize("bn", [False, True], ids=["plain", "batchnorm"])
+def test_one_rank_per_stage_computing_both_replicas_is_bit_identical(
+    gloo, tmp_path: Path, bn: bool
+) -> None:
+    """With BatchNorm the digests hold its running statistics too: every replica's
+    forward starts from the iteration's, and the iteration ends with replica 0's."""
+    a = (0, ITERATIONS, False, 1, 1, bn)
+    four = gloo.run(_run, 4, args=(str(tmp_path / "a"), *a), timeout_s=240)
+    two = gloo.run(_run, 2, args=(str(tmp_path / "b"), *a), timeout_s=240)
+    plain = gloo.run(_plain, 4, args=(bn,), timeout_s=120)
     for it in range(ITERATIONS):
         for pp in range(2):
             # ranks (pp, dp): 4 ranks -> pp*2 + dp; 2 ranks -> pp
@@ -193,13 +205,14 @@ def test_shrink_and_grow_from_memory(gloo, tmp_path: Path, full_every: int) -> N
     trajectory is the unchanged run's. No DCP tier until the grow: a clean end that
     passed a due version over persists its final state, newer than memory's, and a
     relaunch would resume from that (``test_shrink_and_grow_through_dcp...``)."""
-    ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, 9, False, 1), timeout_s=240)
+    bn = True  # BatchNorm's statistics too: the stage's, restored from replica 0's share
+    ref = gloo.run(_run, 4, args=(str(tmp_path / "ref"), 0, 9, False, 1, 1, bn), timeout_s=240)
     root = str(tmp_path / "job")
-    gloo.run(_run, 4, args=(root, 0, 4, True, full_every, 0), timeout_s=240)
-    shrunk = gloo.run(_run, 2, args=(root, 0, 6, True, full_every, 0), timeout_s=240)
+    gloo.run(_run, 4, args=(root, 0, 4, True, full_every, 0, bn), timeout_s=240)
+    shrunk = gloo.run(_run, 2, args=(root, 0, 6, True, full_every, 0, bn), timeout_s=240)
     assert shrunk[0]["source"] == "memory" and shrunk[0]["start"] >= 2, shrunk[0]
     assert "shards of dp=2 (pp=2, tp=1, xor:2) rebuilt for dp=1" in shrunk[0]["reason"]
-    grown = gloo.run(_run, 4, args=(root, 0, 9, False, full_every), timeout_s=240)
+    grown = gloo.run(_run, 4, args=(root, 0, 9, False, full_every, 1, bn), timeout_s=240)
     assert grown[0]["source"] == "memory" and grown[0]["start"] >= 4, grown[0]
     assert "rebuilt for dp=2" in grown[0]["reason"], grown[0]
     for it in range(shrunk[0]["start"], 6):

@@ -8,11 +8,12 @@ iteration processes every replica's micro-batches, whatever the number of hosts:
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --max-restarts 10 \\
         tests/e2e/elastic_script.py --out runs/el     # -m baft.inprocess before it: in-process
 
-Each stage is a fresh ``nn.Sequential`` with dropout (each replica's RNG), AdamW, a step
+Each stage is a fresh ``nn.Sequential`` with dropout (each replica's RNG), BatchNorm on
+the first (running statistics: the first replica's after every iteration), AdamW, a step
 LR schedule (the job's), gradient clipping, and a sampler per replica whose position is
 in ``state=`` (swapped by ``ft.replicas()``). ``--unprotected`` runs the same loop
 without baft (each rank one replica, an all-reduce average: for 2 replicas the same bits
-as baft's deterministic reduction). Every rank appends ``{"it", "world", "digest", "t"}`` per
+as baft's deterministic reduction; buffers broadcast from the first replica). Every rank appends ``{"it", "world", "digest", "t"}`` per
 iteration to ``OUT/trace.pp{p}.jsonl`` (one file per stage: the ranks of a stage hold the
 same bytes) and rank 0 of each stage writes ``OUT/final.pp{p}.json`` at the end.
 ``--sleep S`` slows each iteration so that a fault from outside lands mid-run.
@@ -92,7 +93,9 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (args.pp, num_dp, 1), mesh_dim_names=("pp", "dp", "tp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     torch.manual_seed(7 + pp)  # the stage's weights, and every replica's first RNG state
-    module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.2))
+    # the first stage's BatchNorm: running statistics that every replica's forward moves
+    norm = [nn.BatchNorm1d(WIDTH)] if pp == 0 else []
+    module = nn.Sequential(nn.Linear(WIDTH, WIDTH), *norm, nn.GELU(), nn.Dropout(0.2))
     stage = PipelineStage(module, pp, args.pp, torch.device("cpu"), group=mesh.get_group("pp"))
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, y: (o - y).square().mean())
     opt = torch.optim.AdamW(module.parameters(), lr=0.01)
@@ -140,6 +143,9 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         opt.step()
         lr.step()
+        if ft is None:  # the first replica's statistics, as DDP's broadcast_buffers
+            for b in module.buffers():
+                dist.broadcast(b, group=mesh.get_group("dp"), group_src=0)
         if dp == 0:
             with (out / f"trace.pp{pp}.jsonl").open("a") as f:
                 rec = {"it": it, "world": world, "digest": digest(module, opt), "t": time.time()}

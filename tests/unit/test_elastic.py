@@ -97,6 +97,35 @@ def test_a_rank_hosting_two_replicas_keeps_their_records_apart() -> None:
     assert loader.position == 2  # replica 0 took two steps of 1
 
 
+def test_each_hosted_replica_s_forward_starts_from_the_iteration_s_buffers() -> None:
+    """BatchNorm's running statistics: replica 1's forward does not see replica 0's
+    update, and the iteration ends with replica 0's (what DDP's broadcast_buffers gives a
+    rank per replica)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ts = TrainingState([model], opt, {}, install_step_hook=False)
+    vr = VirtualReplicas(
+        ts, list(model.parameters()), hosted=[0, 1], num_replicas=2, deterministic=True,
+        dp_group=None,
+    )  # fmt: skip
+    vr.fresh_start()
+    start = {k: v.clone() for k, v in model[1].state_dict().items()}
+    batches = {r: torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in (0, 1)}
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    for r in vr.loop(lambda fn: fn()):
+        seen[r] = {k: v.clone() for k, v in model[1].state_dict().items()}
+        model(batches[r]).sum().backward()
+    alone = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    alone.load_state_dict(model.state_dict())
+    alone[1].load_state_dict(start)
+    alone(batches[0])  # replica 0's forward from the iteration's statistics
+    for k in start:
+        assert torch.equal(seen[0][k], start[k]) and torch.equal(seen[1][k], start[k]), k
+        assert torch.equal(model[1].state_dict()[k], alone[1].state_dict()[k]), k
+    assert model[1].num_batches_tracked.item() == 1
+
+
 def test_the_exchange_fills_the_other_ranks_replicas() -> None:
     world = 2
     made = []
