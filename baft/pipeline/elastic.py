@@ -256,8 +256,14 @@ class VirtualReplicas:
         for p in self.params:
             n = local(p).numel()
             g = acc[offset : offset + n].view_as(local(p))
-            if p.grad is None:
-                p.grad = g.clone()
+            if p.grad is None:  # a TP parameter's gradient is a DTensor of its placements
+                p.grad = (
+                    DTensor.from_local(
+                        g.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                    if isinstance(p, DTensor)
+                    else g.clone()
+                )
             else:
                 local(p.grad).copy_(g)
             offset += n
@@ -342,15 +348,22 @@ def is_subtree_split(num_replicas: int, per_rank: int, ranks: int) -> bool:
 
 def attach(runner: StepRunner, config: ElasticConfig) -> None:
     """Give ``runner`` the virtual replicas ``config`` asks for (none with
-    ``num_replicas`` 0), or refuse what they cannot serve yet (ValueError): DTensor
-    parameters (FSDP2, TP) and gradients that FSDP2 averages."""
+    ``num_replicas`` 0), or refuse what they cannot serve yet (ValueError): FSDP2
+    (``dp_shard``, HSDP), whose parameters are sharded over the DP ranks and whose
+    gradients FSDP2 reduces itself. Tensor-parallel DTensor parameters are served: the
+    replicas of one TP rank reduce its local shards over its DP group, and a resize
+    never changes the TP degree."""
     if not config.num_replicas:
         return
-    if runner.averaged_by or any(isinstance(p, DTensor) for p in runner.params):
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = any(isinstance(m, FSDPModule) for st in runner.state.modules for m in st.modules())
+    if runner.averaged_by or fsdp:
         raise ValueError(
             "elastic replicas (CheckpointConfig.elastic.num_replicas) take plain DP "
-            "replicas of plain parameters for now: this job has DTensor parameters "
-            "(FSDP2 or TP); run it without elastic replicas"
+            "replicas for now: this job shards its parameters with FSDP2 (dp_shard or "
+            "HSDP), whose shards move when the DP degree does; run it without elastic "
+            "replicas (tensor parallelism alone is served)"
         )
     topo = runner.mesh.topology
     runner.elastic = VirtualReplicas(

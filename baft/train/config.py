@@ -205,8 +205,10 @@ class TrainConfig:
             raise ValueError(
                 "--elastic needs checkpoints with elastic replicas (drop --no-checkpoint)"
             )
-        if par.num_tp > 1 or par.num_dp_shard > 1:
-            raise ValueError("--elastic takes plain DP replicas: use --tp 1 --dp-shard 1")
+        if par.num_dp_shard > 1:
+            raise ValueError(
+                "--elastic takes plain DP replicas, not FSDP2's shards: use --dp-shard 1"
+            )
         if not 1 <= self.elastic_min_hosts <= self.num_hosts:
             raise ValueError(
                 f"--elastic {self.elastic_min_hosts}: between 1 and the run's {self.num_hosts} "

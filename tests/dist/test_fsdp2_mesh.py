@@ -88,7 +88,9 @@ def test_mesh_dims_map_onto_replicas_and_shards(gloo) -> None:
         assert out["fsdp_name"] == ((2, 1, 2), (rank // 2, 0, rank % 2), True)
 
 
-def _protect(module: nn.Module, mesh: Any, root: str, name: str, given: bool = True) -> Any:
+def _protect(
+    module: nn.Module, mesh: Any, root: str, name: str, given: bool = True, elastic: int = 0
+) -> Any:
     """protect() on a one-stage pipeline over ``mesh["pp"]``, with ``device_mesh=mesh``
     when ``given``: (error or None, optimizer hooked, Protected)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -101,6 +103,7 @@ def _protect(module: nn.Module, mesh: Any, root: str, name: str, given: bool = T
     ck = baft.CheckpointConfig(
         policy=baft.CheckpointPolicy(redundancy="none", persist_every=0),
         store=baft.StoreConfig(root=str(Path(root) / "shm")),
+        elastic=baft.ElasticConfig(num_replicas=elastic),
     )
     ft = None
 
@@ -167,6 +170,10 @@ def _stages(rank: int, world: int, root: str) -> dict[str, Any]:
     m = _model()
     fully_shard(m, mesh=mesh["dp_shard"], shard_placement_fn=lambda p: Shard(p.dim() - 1))
     out["dim1"] = _protect(m, mesh, root, "dim1")[:2]
+
+    m = _model()
+    fully_shard(m, mesh=mesh["dp_shard"])
+    out["elastic"] = _protect(m, mesh, root, "elastic", elastic=2)[:2]
     return out
 
 
@@ -189,3 +196,5 @@ def test_fsdp2_stages_are_protected_and_what_baft_cannot_restore_is_refused(
         err, hooked = out["dim1"]
         assert not hooked and err[0] == "ValueError"
         assert "0.weight is sharded along dim 1" in err[1] and "Shard(0) only" in err[1]
+        err, hooked = out["elastic"]  # elastic replicas: FSDP2's shards move with dp
+        assert not hooked and err[0] == "ValueError" and "FSDP2 (dp_shard or HSDP)" in err[1]

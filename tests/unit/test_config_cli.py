@@ -25,7 +25,7 @@ from baft.train.config import ParallelConfig, TrainConfig
         ),
         (["demo", "--kill-at", "2"], "need 3 < --kill-at < --node-loss-at < --iterations"),
         (["train", "--elastic", "3"], "between 1 and the run's 2 hosts"),
-        (["train", "--elastic", "1", "--tp", "2", "--heads", "4"], "plain DP replicas"),
+        (["train", "--elastic", "1", "--dp-shard", "2"], "not FSDP2's shards"),
         (["train", "--elastic", "1", "--lose-host", "1:9:4"], "BACK after ITER"),
         (["train", "--elastic", "1", "--lose-host", "h1:9"], "HOST:ITER[:BACK]"),
         (["train", "--lose-host", "1:9"], "--lose-host needs --elastic"),
