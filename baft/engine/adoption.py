@@ -127,6 +127,7 @@ class PlanAdoption:
         kept = self.slots.allocate_everywhere(lay.sizes, keep=self.commit.committed)
         self.writer.use(lay, redundant=self.redundancy.kind != "none")
         self.persisting.interval = lay.plan.interval_iters
+        self.persisting.adopted(differential=lay.payload is not None)
         if self.termination is not None:  # a SIGTERM flush comes within ~2 iterations
             ranks = range(len(plan_input.ranks))
             profiled = max(plan_input.bubbles(r).iteration_s for r in ranks)

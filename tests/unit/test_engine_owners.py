@@ -142,8 +142,10 @@ def test_sigterm_grace_follows_the_iteration() -> None:
 class _Handle:
     """A save in flight that finishes when the test says so."""
 
-    def __init__(self, version: int) -> None:
+    def __init__(self, version: int, state: dict[str, Any] | None = None) -> None:
         self.version = version
+        self.state = state or {}
+        """What the save was handed."""
         self.finished = False
 
     def done(self) -> bool:
@@ -160,7 +162,7 @@ class _Disk:
         self.saves: list[_Handle] = []
 
     def save_async(self, version: int, state: dict[str, Any], meta: dict[str, Any]) -> _Handle:
-        self.saves.append(_Handle(version))
+        self.saves.append(_Handle(version, state))
         return self.saves[-1]
 
 
@@ -229,3 +231,41 @@ def test_a_replan_waits_for_a_save_only_if_it_reads_the_store(differential: bool
         disk.saves[0].finished = True
         p.join_store_reads()
     assert p.busy() is (not disk.saves[0].finished)
+
+
+def test_the_live_copy_s_buffer_is_made_and_touched_when_a_plan_is_adopted() -> None:
+    """A differential job that persists gets its live copy's buffer at the adoption, its
+    pages written (a fresh mapping's faults are not the first due version's, inside its
+    step deadline); the due version copies into that same buffer. Full snapshots and a
+    job that does not persist get none."""
+    from baft.engine.device import HostCopy
+
+    made: list[torch.Tensor] = []
+
+    class _Buffers(_Disk):
+        def host_buffer(self, nbytes: int) -> torch.Tensor:
+            made.append(torch.full((nbytes,), 7, dtype=torch.uint8))  # not zeroed: garbage
+            return made[-1]
+
+    def persisting(every: int) -> Persisting:
+        return Persisting(
+            _Buffers(),  # type: ignore[arg-type]
+            every=every, interval=1, keys=PersistKeys(), topology=Topology(1, 1, 1), rank=0,
+            flat=FlatState([("model.w", torch.arange(4.0))]), device=torch.device("cpu"),
+            layout_digests={},
+        )  # fmt: skip
+
+    persisting(1).adopted(differential=False)
+    persisting(0).adopted(differential=True)
+    assert made == []
+    p = persisting(1)
+    p.adopted(differential=True)
+    assert len(made) == 1 and made[0].numel() == 16 and not made[0].any()  # touched
+    p.adopted(differential=True)  # a re-plan: the same share, the same buffer
+    p.version_opened(0, differential=True, copier=HostCopy())
+    p.committed(0, differential=True, slot_data=lambda: (torch.zeros(0), 0, 0))
+    assert len(made) == 1
+    saved = p.persister.saves[0].state  # type: ignore[union-attr]
+    (t,) = saved.values()
+    assert torch.equal(t, torch.arange(4.0))
+    assert t.untyped_storage().data_ptr() == made[0].untyped_storage().data_ptr()
