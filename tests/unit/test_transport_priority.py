@@ -99,3 +99,45 @@ def test_gloo_transport_lowers_its_groups_threads_and_raises_them_for_the_traini
         transport.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_under_nice_helpers_sit_at_nice_19_above_the_idle_writers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``BAFT_BACKGROUND_PRIORITY=nice`` (measured by the bench): a helper thread is
+    lowered to SCHED_OTHER nice 19, raised to nice 0 while waited on, and lowered to
+    nice 19 again even after the variable is gone (the bench sets it only while an
+    arm's engine is built); a DCP writer thread stays at SCHED_IDLE."""
+    from baft.engine.priority import lower_thread_priority, raised
+
+    monkeypatch.setenv("BAFT_BACKGROUND_PRIORITY", "nice")
+    ids: dict[str, int] = {}
+    done, stop = threading.Barrier(3), threading.Event()
+
+    def run(kind: str) -> None:
+        ids[kind] = threading.get_native_id()
+        lower_thread_priority(kind)
+        done.wait(5.0)
+        stop.wait(10.0)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in ("copy", "writer")]
+    for t in threads:
+        t.start()
+    done.wait(5.0)
+    copy, writer = ids["copy"], ids["writer"]
+
+    def nice(tid: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+
+    assert (os.sched_getscheduler(copy), nice(copy)) == (os.SCHED_OTHER, 19)
+    assert os.sched_getscheduler(writer) == os.SCHED_IDLE
+    monkeypatch.delenv("BAFT_BACKGROUND_PRIORITY")
+    with raised(copy, True):
+        assert (os.sched_getscheduler(copy), nice(copy)) == (os.SCHED_OTHER, 0)
+    assert (os.sched_getscheduler(copy), nice(copy)) == (os.SCHED_OTHER, 19)
+    with raised(writer, True):
+        assert os.sched_getscheduler(writer) == os.SCHED_OTHER
+    assert os.sched_getscheduler(writer) == os.SCHED_IDLE
+    stop.set()
+    for t in threads:
+        t.join()
