@@ -24,7 +24,7 @@ from baft.engine import admission
 from baft.engine.device import ThreadCopy, device_copy_for
 from baft.engine.engine import CheckpointEngine, EngineParts
 from baft.engine.peers import find_same_host_peers
-from baft.engine.priority import background_priority, lower_writer_thread
+from baft.engine.priority import background_priority, lower_thread_priority
 from baft.engine.scheduling import BubbleAware, Scheduling
 from baft.engine.transport import GlooTransport, Transport, destroy_group
 from baft.engine.worker import ProtectWorker
@@ -262,7 +262,7 @@ def build_engine(
             rank=mesh.rank,
             timeout_s=ck.timeouts.collective_s * 10,
             # the DCP writer yields the core to training (waiters raise it: Persisting)
-            on_thread_start=lower_writer_thread,
+            on_thread_start=lower_thread_priority,
         )
         if ck.persist.writer == "process":  # periodic saves in a writer process
             persister = ProcessPersister(

@@ -6,10 +6,7 @@ thread. Elsewhere, or where the call is refused, the thread keeps its priority a
 reason is logged once. ``BAFT_BACKGROUND_PRIORITY`` chooses which threads drop (for
 measuring): ``idle`` (default) the protect worker, the snapshot copy thread and the
 checkpoint transport's gloo threads (:class:`ForeignThreads`), ``threads`` baft's own
-two but not gloo's, ``worker`` only the protect worker, ``normal`` none; ``nice``: the
-same threads as ``idle`` at ``SCHED_OTHER`` nice 19 instead, above the DCP writers'
-``SCHED_IDLE`` (which then take only what baft's own helpers leave) but still far below
-the training thread (weights 15 against 1024).
+two but not gloo's, ``worker`` only the protect worker, ``normal`` none.
 """
 
 from __future__ import annotations
@@ -24,9 +21,7 @@ from collections.abc import Iterable, Iterator
 log = logging.getLogger("baft")
 ENV = "BAFT_BACKGROUND_PRIORITY"
 """``idle`` (default), ``threads``, ``worker`` or ``normal``."""
-VALUES = ("idle", "threads", "worker", "normal", "nice")
-NICE = 19
-"""The nice value of lowered threads under the ``nice`` setting."""
+VALUES = ("idle", "threads", "worker", "normal")
 
 
 def background_priority() -> str:
@@ -37,30 +32,13 @@ def background_priority() -> str:
     return value
 
 
-_WRITERS: set[int] = set()
-"""Native ids of DCP writer threads: ``SCHED_IDLE`` under every lowering setting (under
-``nice`` too: the disk waits, baft's own helpers should not)."""
-
-
-_NICE: set[int] = set()
-"""Native ids of threads lowered to nice 19 rather than ``SCHED_IDLE``."""
-
-
 def lower_thread_priority(kind: str = "worker") -> bool:
-    """Put the calling thread (``kind`` ``worker``, ``copy`` or ``writer``) at
-    ``SCHED_IDLE`` (nice 19 under ``nice``, but a writer) when the configuration says
-    so; True if it took."""
+    """Put the calling thread (``kind`` ``worker`` or ``copy``) at ``SCHED_IDLE`` when
+    the configuration says so; True if it took."""
     setting = background_priority()
-    if setting == "normal" or (setting == "worker" and kind not in ("worker", "writer")):
+    if setting == "normal" or (setting == "worker" and kind != "worker"):
         return False
-    if kind == "writer":
-        _WRITERS.add(threading.get_native_id())
     return set_thread_idle(threading.get_native_id(), True)
-
-
-def lower_writer_thread() -> bool:
-    """:func:`lower_thread_priority` for a DCP writer thread (its start hook)."""
-    return lower_thread_priority("writer")
 
 
 def set_thread_idle(native_id: int, idle: bool, quiet: bool = False) -> bool:
@@ -72,18 +50,11 @@ def set_thread_idle(native_id: int, idle: bool, quiet: bool = False) -> bool:
     rank starves it. So whoever waits raises it for the wait and lowers it again after.
     """
     setter = getattr(os, "sched_setscheduler", None)
-    # decided when a thread is first lowered and kept (the bench sets the variable only
-    # while an arm's engine is built)
-    if idle and background_priority() == "nice" and native_id not in _WRITERS:
-        _NICE.add(native_id)
-    nice = native_id in _NICE
-    policy = getattr(os, "SCHED_IDLE" if idle and not nice else "SCHED_OTHER", None)
+    policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
     if setter is None or policy is None:
         return False
     try:
         setter(native_id, policy, os.sched_param(0))
-        if nice:  # Linux: a thread id is a PRIO_PROCESS target of its own
-            os.setpriority(os.PRIO_PROCESS, native_id, NICE if idle else 0)
     except OSError as err:
         if not quiet:
             _warn_normal_priority(str(err))
@@ -124,7 +95,7 @@ class ForeignThreads:
         self.ids = tuple(native_ids)
         self._lock = threading.Lock()
         self._depth = 0
-        self.idle = bool(self.ids) and background_priority() in ("idle", "nice")
+        self.idle = bool(self.ids) and background_priority() == "idle"
         if self.idle:
             self.idle = all([set_thread_idle(i, True) for i in self.ids])
 

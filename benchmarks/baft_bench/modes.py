@@ -15,9 +15,6 @@ Every engine mode runs the same :class:`~baft.engine.engine.CheckpointEngine`; a
   CheckFreq / DCP / torch-save writing to disk every N-th checkpoint.
 - ``baft-persist-proc``: ``baft-persist`` with ``PersistConfig(writer="process")`` (DCP
   saves in a writer process per rank, reading the store's shared memory).
-- ``baft-persist-proc-nice``, ``baft-nice``: ``baft-persist-proc`` and ``baft`` with
-  baft's background threads at nice 19 instead of ``SCHED_IDLE``
-  (``BAFT_BACKGROUND_PRIORITY=nice``), above the DCP writers' ``SCHED_IDLE``.
 - ``baft-gloo-normal``: ``baft`` with the checkpoint transport's gloo threads at normal
   CPU priority (``BAFT_BACKGROUND_PRIORITY=threads``): what idling them bought.
 - ``baft-mem2x`` .. ``baft-mem6x``: ``baft`` with the store budget at that multiple of
@@ -40,8 +37,8 @@ BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
 """Modes implemented in :mod:`baft_bench.baselines` (each writes to disk)."""
 ENGINE_MODES = (
     "naive-async", "baft-full", "baft", "baft-shm", "baft-noreplica", "baft-persist",
-    "baft-persist-proc", "baft-persist-proc-nice", "baft-nice", "baft-gloo-normal",
-    "baft-mem2x", "baft-mem3x", "baft-mem4x", "baft-mem6x",
+    "baft-persist-proc", "baft-gloo-normal", "baft-mem2x", "baft-mem3x", "baft-mem4x",
+    "baft-mem6x",
 )  # fmt: skip
 """Modes provided by ``baft.engine.engine.CheckpointEngine`` (see :data:`ENGINE_ARMS`)."""
 PEER_MODES = ("lm-resiliency", "dlrover-flash")
@@ -87,8 +84,6 @@ ENGINE_ARMS = {
     "baft-noreplica": EngineArm(redundancy="none"),
     "baft-persist": EngineArm(persist=True),
     "baft-persist-proc": EngineArm(persist=True, writer="process"),
-    "baft-persist-proc-nice": EngineArm(persist=True, writer="process", priority="nice"),
-    "baft-nice": EngineArm(priority="nice"),
     "baft-gloo-normal": EngineArm(priority="threads"),
     "baft-mem2x": EngineArm(budget_x=2.0),
     "baft-mem3x": EngineArm(budget_x=3.0),

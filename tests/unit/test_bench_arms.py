@@ -41,8 +41,6 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
         "baft-noreplica": 0,
         "baft-persist": 0,
         "baft-persist-proc": 0,
-        "baft-persist-proc-nice": 0,
-        "baft-nice": 0,
         "baft-gloo-normal": 0,
         "baft-mem2x": 0,
         "baft-mem3x": 0,
@@ -52,9 +50,7 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
     # the priority and budget arms differ only where they are built (the budget needs the
     # rank's state, the priority is read as the threads start): their arm says so
     assert {m: a.priority for m, a in ENGINE_ARMS.items() if a.priority} == {
-        "baft-gloo-normal": "threads",
-        "baft-persist-proc-nice": "nice",
-        "baft-nice": "nice",
+        "baft-gloo-normal": "threads"
     }
     assert {m: a.budget_x for m, a in ENGINE_ARMS.items() if a.budget_x} == {
         "baft-mem2x": 2.0,
@@ -69,7 +65,6 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
     assert {m: c.persist.writer for m, c in ck.items()} == {
         **{m: "thread" for m in ENGINE_MODES},
         "baft-persist-proc": "process",
-        "baft-persist-proc-nice": "process",
     }
     assert ck["baft"].policy.persist_every == 0
     assert all(c.store.keep_on_close for c in ck.values())  # read by the restore check
@@ -84,8 +79,6 @@ def test_engine_arms_differ_in_one_thing_each() -> None:
         "baft-noreplica": "n/a",
         "baft-persist": "network",
         "baft-persist-proc": "network",
-        "baft-persist-proc-nice": "network",
-        "baft-nice": "network",
         "baft-gloo-normal": "network",
         **{f"baft-mem{n}x": "network" for n in (2, 3, 4, 6)},
     }
