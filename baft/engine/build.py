@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -267,7 +268,9 @@ def build_engine(
         if ck.persist.writer == "process":  # periodic saves in a writer process
             persister = ProcessPersister(
                 ck.persist.dir, prefix=agree_prefix(group), buffer_dir=store.path,
-                idle=background_priority() != "normal", **common,
+                idle=background_priority() != "normal"
+                and os.environ.get("BAFT_WRITER_PRIORITY", "idle") != "normal",
+                **common,
             )  # fmt: skip
         else:
             persister = Persister(ck.persist.dir, **common)
