@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -268,9 +267,7 @@ def build_engine(
         if ck.persist.writer == "process":  # periodic saves in a writer process
             persister = ProcessPersister(
                 ck.persist.dir, prefix=agree_prefix(group), buffer_dir=store.path,
-                idle=background_priority() != "normal"
-                and os.environ.get("BAFT_WRITER_PRIORITY", "idle") != "normal",
-                **common,
+                idle=background_priority() != "normal", **common,
             )  # fmt: skip
         else:
             persister = Persister(ck.persist.dir, **common)

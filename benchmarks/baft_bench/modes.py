@@ -37,7 +37,7 @@ BASELINE_MODES = ("torch-save", "dcp-async", "checkfreq")
 """Modes implemented in :mod:`baft_bench.baselines` (each writes to disk)."""
 ENGINE_MODES = (
     "naive-async", "baft-full", "baft", "baft-shm", "baft-noreplica", "baft-persist",
-    "baft-persist-proc", "baft-persist-proc-normal", "baft-gloo-normal", "baft-mem2x", "baft-mem3x", "baft-mem4x",
+    "baft-persist-proc", "baft-gloo-normal", "baft-mem2x", "baft-mem3x", "baft-mem4x",
     "baft-mem6x",
 )  # fmt: skip
 """Modes provided by ``baft.engine.engine.CheckpointEngine`` (see :data:`ENGINE_ARMS`)."""
@@ -84,7 +84,6 @@ ENGINE_ARMS = {
     "baft-noreplica": EngineArm(redundancy="none"),
     "baft-persist": EngineArm(persist=True),
     "baft-persist-proc": EngineArm(persist=True, writer="process"),
-    "baft-persist-proc-normal": EngineArm(persist=True, writer="process", priority="normal-writer"),
     "baft-gloo-normal": EngineArm(priority="threads"),
     "baft-mem2x": EngineArm(budget_x=2.0),
     "baft-mem3x": EngineArm(budget_x=3.0),

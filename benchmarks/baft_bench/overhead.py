@@ -425,18 +425,15 @@ def _make_mode(mode: str, bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: An
     priority = arm.priority if arm is not None else None
     if priority is None:
         return build_engine(ck, run_dir, mesh, trainer.runner, scheduling=scheduling)
-    env = PRIORITY_ENV
-    if priority == "normal-writer":  # the writer process at normal priority, the rest idle
-        env, priority = "BAFT_WRITER_PRIORITY", "normal"
-    before = os.environ.get(env)
-    os.environ[env] = priority  # read as the engine's threads start
+    before = os.environ.get(PRIORITY_ENV)
+    os.environ[PRIORITY_ENV] = priority  # read as the engine's threads start
     try:
         return build_engine(ck, run_dir, mesh, trainer.runner, scheduling=scheduling)
     finally:
         if before is None:
-            os.environ.pop(env, None)
+            os.environ.pop(PRIORITY_ENV, None)
         else:
-            os.environ[env] = before
+            os.environ[PRIORITY_ENV] = before
 
 
 def _build_modes(bcfg: OverheadConfig, cfg: Any, mesh: Any, trainer: Any) -> tuple[dict, dict]:
