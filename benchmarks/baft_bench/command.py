@@ -254,7 +254,8 @@ def _design_lines(result: dict[str, Any]) -> list[str]:
         f"- rounds: {sum(per_launch)} ({launches}), each round one block of "
         f"{cfg['block_iters']} measured iterations per mode, interleaved, each round in "
         f"another order (Williams design: {design.get('note', 'balance not recorded')}); "
-        f"{cfg['num_switch_iters']} unmeasured after each switch",
+        f"{cfg['num_switch_iters']} unmeasured after each switch; before its first block "
+        "each engine mode ran unmeasured through its profile, plan and one re-plan",
     ]
 
 

@@ -186,10 +186,14 @@ def test_bench_without_a_benchmark_says_which_exist(capsys: pytest.CaptureFixtur
 def test_total_iterations_counts_warmup_switches_and_profiling() -> None:
     cfg = OverheadConfig(modes=["none", "baft"], num_blocks=2, block_iters=3, num_warmup=1)
     # 1 global warm-up + 2 modes x (1 warm-up + 2 blocks x (1 switch + 3)) + 3 profiling
+    # + 3 checkpoints to baft's one re-plan
     # + the restore check of baft: K + 2 checkpoints (K guessed 8 for full_every=auto)
-    assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3 + (8 + 2)
+    assert cfg.replan_iters() == 3
+    assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3 + 3 + (8 + 2)
     cfg.restore_check = False
-    assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3
+    assert cfg.total_iterations() == 1 + 2 * (1 + 2 * 4) + 3 + 3
+    cfg.interval = 2  # a checkpoint every other iteration: the re-plan comes later
+    assert cfg.replan_iters() == 6
 
 
 def test_component_table_reports_added_cpu_and_paths_per_rank() -> None:
