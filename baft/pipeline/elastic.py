@@ -54,7 +54,8 @@ from torch.distributed.tensor import DTensor
 
 from baft.config import ElasticConfig, dp_degree
 from baft.pipeline.encoding import local
-from baft.pipeline.state import TrainingState, persistent_buffers
+from baft.pipeline.layout import uses_fsdp
+from baft.pipeline.state import TrainingState
 
 if TYPE_CHECKING:
     from baft.pipeline.step import StepRunner
@@ -95,7 +96,7 @@ class VirtualReplicas:
         """Each hosted replica's records as of its last body's end (the live objects hold
         the last replica's)."""
         self._live = self.hosted[0]
-        self.buffers = _StageBuffers(state.modules)
+        self.buffers = _StageBuffers(state)
         """The stage's persistent buffers: each replica's body starts from the
         iteration's, and the iteration ends with replica 0's."""
         self._grads: dict[int, list[torch.Tensor | None]] = {}
@@ -181,12 +182,12 @@ class VirtualReplicas:
         self.reduced = False
         self._grads = {}
         swap = len(self.hosted) > 1  # one replica: its records are the live ones
-        start = self.buffers.values() if swap else None
+        start = self.buffers.values() if swap else []
         first: list[torch.Tensor] | None = None
-        for r in self.hosted:
+        for i, r in enumerate(self.hosted):
             if swap and self._live != r:
                 self._load(r)
-            if start is not None and first is not None:
+            if i:
                 self.buffers.set(start)  # this replica's forward from the iteration's
             yield r
             self._grads[r] = [p.grad for p in self.params]
@@ -194,9 +195,9 @@ class VirtualReplicas:
                 self._save(r)
                 for p in self.params:
                     p.grad = None
-            if start is not None and first is None:
+            if i == 0 and swap:
                 first = self.buffers.values()
-        if first is not None and len(first):
+        if first is not None:
             self.buffers.set(first)
         reduce(self._reduce)
         self.reduced = True
@@ -270,18 +271,11 @@ class VirtualReplicas:
 
 
 class _StageBuffers:
-    """The persistent buffers of a stage's modules, looked up live each time (a module
-    may replace a buffer rather than update it)."""
+    """The stage's persistent buffers (:meth:`TrainingState.live_buffers`: looked up live
+    each time, a module may replace a buffer rather than update it)."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self._where: list[tuple[torch.nn.Module, str]] = []
-        for m in modules:
-            for fqn, _ in persistent_buffers(m):
-                owner, _, leaf = fqn.rpartition(".")
-                self._where.append((m.get_submodule(owner), leaf))
-
-    def _live(self) -> list[torch.Tensor]:
-        return [local(mod._buffers[leaf]) for mod, leaf in self._where]  # type: ignore[arg-type]
+    def __init__(self, state: TrainingState) -> None:
+        self._live = state.live_buffers
 
     def values(self) -> list[torch.Tensor]:
         return [b.detach().clone() for b in self._live()]
@@ -355,10 +349,7 @@ def attach(runner: StepRunner, config: ElasticConfig) -> None:
     never changes the TP degree."""
     if not config.num_replicas:
         return
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp = any(isinstance(m, FSDPModule) for st in runner.state.modules for m in st.modules())
-    if runner.averaged_by or fsdp:
+    if runner.averaged_by or uses_fsdp(runner.state.modules):
         raise ValueError(
             "elastic replicas (CheckpointConfig.elastic.num_replicas) take plain DP "
             "replicas for now: this job shards its parameters with FSDP2 (dp_shard or "

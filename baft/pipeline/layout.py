@@ -228,6 +228,15 @@ def detect_mesh(modules: Sequence[nn.Module], world_size: int) -> Any | None:
     return None
 
 
+def uses_fsdp(modules: Sequence[nn.Module]) -> bool:
+    """Whether any of ``modules`` has a ``fully_shard`` submodule (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(sub, FSDPModule) for m in modules for sub in m.modules())
+
+
 def fsdp_reduces_over(modules: Sequence[nn.Module], ranks: Iterable[int]) -> bool:
     """True when every ``fully_shard`` module of ``modules`` reduces its gradients over all
     of ``ranks`` (HSDP: FSDP2 all-reduces over its replicate dim): then the replicas'

@@ -141,7 +141,7 @@ def check_saved_layout(saved: Iterable[Any], layout: Iterable[TensorInfo]) -> No
         )
 
 
-def persistent_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+def _persistent_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """``m``'s buffers that ``state_dict()`` saves (non-persistent ones are derived)."""
     for fqn, b in m.named_buffers():
         owner, _, leaf = fqn.rpartition(".")
@@ -166,6 +166,10 @@ class _BufferCopies:
 
     def ids(self) -> set[int]:
         return {id(c) for _, _, c in self.items}
+
+    def live(self) -> list[torch.Tensor]:
+        """Every persistent buffer as its module holds it now (local shard of a DTensor)."""
+        return [local(mod._buffers[leaf]) for mod, leaf, _ in self.items]  # type: ignore[arg-type]
 
     def _changed(self, mod: nn.Module, leaf: str, copy: torch.Tensor) -> bool:
         live = mod._buffers.get(leaf)
@@ -289,7 +293,7 @@ class TrainingState:
                     self._param_names[id(p)] = fqn
                     self._add(name, p.data)
         for m in self.modules:
-            for fqn, b in persistent_buffers(m):
+            for fqn, b in _persistent_buffers(m):
                 name = names.buffer(fqn)
                 if add(name, b):
                     owner, _, leaf = fqn.rpartition(".")
@@ -309,6 +313,11 @@ class TrainingState:
         tensor, by name: what a DCP checkpoint needs to save and load it as the DTensor
         (plain tensors are absent)."""
         return dict(self._global)
+
+    def live_buffers(self) -> list[torch.Tensor]:
+        """The stage modules' persistent buffers as the modules hold them now (each
+        once, in layout order)."""
+        return self._buffers.live()
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every checkpointed tensor (rank-local, contiguous), by canonical name, in
